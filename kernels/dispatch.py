@@ -1,0 +1,80 @@
+"""The one place that picks an SSE implementation. The model and the vLLM backend call only these two."""
+import torch
+
+from kernels.sse import sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
+
+IMPLEMENTATIONS = {
+    "reference": sse_reference,
+    "chunk_torch_varlen": sse_chunk_varlen,
+    "chunk_torch_mask": sse_chunk_mask,
+}
+DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch}
+
+
+def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
+                  initial_state, cu_seqlens):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, c], got shape {tuple(q.shape)}")
+    B, T, H, c = q.shape
+    for name, x in (("k_logits", k_logits), ("log_decay", log_decay), ("q_shared", q_shared),
+                    ("k_shared_logits", k_shared_logits)):
+        if x is not None and x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+    if (q_shared is None) != (k_shared_logits is None):
+        raise ValueError("q_shared and k_shared_logits go together: pass both or neither")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, d_v] with B, T, H = {B, T, H}, got {tuple(v.shape)}")
+    if router_logits.dim() != 3 or router_logits.shape[:2] != q.shape[:2]:
+        raise ValueError(f"router_logits must be [B, T, N] with B, T = {B, T}, got {tuple(router_logits.shape)}")
+    N = router_logits.shape[-1]
+    if not 1 <= top_k <= N:
+        raise ValueError(f"top_k must be in [1, N={N}], got {top_k}")
+    if row_topk is not None and not 1 <= row_topk <= c:
+        raise ValueError(f"row_topk must be in [1, c={c}], got {row_topk}")
+    if cu_seqlens is not None and (B != 1 or int(cu_seqlens[-1]) != T):
+        raise ValueError(f"cu_seqlens needs B = 1 and cu_seqlens[-1] = T = {T}; got B = {B}, "
+                         f"cu_seqlens[-1] = {int(cu_seqlens[-1])}")
+    if initial_state is not None:
+        S = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        want = (S, H, N + (q_shared is not None), c, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be [segments, H, N + shared, c, d_v] = {want}, "
+                             f"got {tuple(initial_state.shape)}")
+
+
+def pick_implementation(device: torch.device) -> str:
+    # On CPU the mask layout wins at the small N of the models that train there (bench: kernels/bench_cpu.py).
+    return "chunk_torch_mask"
+
+
+def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
+                  row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  impl="auto"):
+    """SSE over whole sequences (DESIGN.md section 3).
+
+    q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
+    With `cu_seqlens` (B = 1), each segment starts from its own initial state and returns its own final state.
+    Returns (o [B, T, H, d_v], final_state [B or segments, H, N + shared, c, d_v] or None), shared partition last.
+    """
+    _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
+                  initial_state, cu_seqlens)
+    if impl == "auto":
+        impl = pick_implementation(q.device)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown SSE implementation {impl!r}; known: {sorted(IMPLEMENTATIONS)} or 'auto'")
+    return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
+                                 k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 cu_seqlens=cu_seqlens)
+
+
+def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
+               k_shared_logits=None, row_topk=None, scale=None, impl="auto"):
+    """One token per sequence; updates rows `slot_ids` of `state` [num_slots, H, N + shared, c, d_v] in place."""
+    if impl == "auto":
+        impl = "torch"
+    if impl not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"unknown SSE decode implementation {impl!r}; known: {sorted(DECODE_IMPLEMENTATIONS)}")
+    return DECODE_IMPLEMENTATIONS[impl](state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
+                                        q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
+                                        scale=scale)

@@ -1,0 +1,71 @@
+"""Chunkwise GLA in plain torch: the CPU training path, differentiable with autograd.
+
+Every segment is cut into chunks of `chunk_size` tokens (the last one zero-padded: zero k/v and zero log-decay
+leave the state untouched). Within a chunk the decayed scores are computed pairwise from exp(b_t - b_s) with
+b the in-chunk cumulative log-decay, so every exponent is <= 0 and nothing overflows whatever the decay; the
+pairwise tensor is why the default chunk is small. Across chunks the state is carried by a loop over the chunk
+position inside a segment, vectorised over all segments, so the loop length is the longest segment / chunk size.
+"""
+import torch
+
+
+def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    chunk_size=16):
+    """Same contract as `recurrent_gla_reference` (and flash-linear-attention's `chunk_gla`).
+
+    Computes in float32 (float64 for float64 inputs); returns o in v's dtype and the final state in float32/64.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    device = q.device
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1, device=device) * T
+    elif B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+    L = B * T
+    q, k, v, g = (x.reshape(L, H, -1).to(dtype) for x in (q, k, v, g))
+    q = q * scale
+
+    C = chunk_size
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    num_segments = lens.numel()
+    n_chunks = (lens + C - 1) // C
+    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+    chunk_seg = torch.repeat_interleave(torch.arange(num_segments, device=device), n_chunks)
+    NC = chunk_seg.numel()
+    offset = (torch.arange(NC, device=device) - first_chunk[chunk_seg])[:, None] * C + torch.arange(C, device=device)
+    valid = offset < lens[chunk_seg][:, None]
+    src = torch.where(valid, cu_seqlens[chunk_seg][:, None] + offset, L)  # row L is an appended zero row
+
+    def chunked(x):
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[src]  # [NC, C, H, d]
+
+    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
+    b = gc.cumsum(1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    pair = (b[:, :, None] - b[:, None, :]).masked_fill(~causal[None, :, :, None, None], float("-inf")).exp()
+    scores = torch.einsum("nthk,nshk,ntshk->nhts", qc, kc, pair)
+    o = torch.einsum("nhts,nshv->nthv", scores, vc)
+
+    b_last = b[:, -1]
+    chunk_update = torch.einsum("nshk,nshv->nhkv", kc * (b_last[:, None] - b).exp(), vc)
+    chunk_decay = b_last.exp()[..., None]
+
+    state = q.new_zeros(num_segments, H, K, V) if initial_state is None else initial_state.to(dtype)
+    before, before_ids = [], []
+    for j in range(int(n_chunks.max()) if num_segments else 0):
+        active = n_chunks > j
+        ids = (first_chunk + j).clamp(max=NC - 1)
+        before.append(state[active])
+        before_ids.append(ids[active])
+        state = torch.where(active[:, None, None, None], chunk_decay[ids] * state + chunk_update[ids], state)
+    if NC:
+        state_before = torch.cat(before)[torch.argsort(torch.cat(before_ids))]
+        o = o + torch.einsum("nthk,nhkv->nthv", qc * b.exp(), state_before)
+    # Chunks are in (segment, time) order, so the valid rows are exactly tokens 0..L-1 in order.
+    o = o.reshape(NC * C, H, V)[valid.reshape(-1)].reshape(B, T, H, V)
+    return o.to(out_dtype), (state if output_final_state else None)

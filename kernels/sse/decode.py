@@ -1,0 +1,44 @@
+"""One decode step for a batch of sequences whose states live in rows `slot_ids` of a state cache.
+
+Torch twin of the fused Triton decode kernel (same signature); it serves the CPU and is the kernel's check.
+Only the K selected partitions and the shared one are read and written.
+"""
+import torch
+
+from kernels.sse.routing import route, softmax_keys
+
+
+def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
+                     k_shared_logits=None, row_topk=None, scale=None):
+    """state [num_slots, H, N + shared, c, d_v] (float32, updated in place); q, k_logits, log_decay,
+    q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
+    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows)."""
+    B, H, c = q.shape
+    N = router_logits.shape[-1]
+    scale = c**-0.5 if scale is None else scale
+    o = torch.zeros(B, H, v.shape[-1], dtype=state.dtype, device=state.device)
+    live = slot_ids >= 0
+    if not bool(live.all()):
+        rows = live.nonzero().squeeze(1)
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        o[rows] = sse_decode_torch(state, slot_ids[rows], *map(pick, (q, k_logits, v, log_decay, router_logits)),
+                                   top_k=top_k, q_shared=pick(q_shared), k_shared_logits=pick(k_shared_logits),
+                                   row_topk=row_topk, scale=scale).to(o.dtype)
+        return o.to(v.dtype)
+
+    f = lambda x: x.to(state.dtype)  # noqa: E731
+    _, index, topk_weight = route(router_logits, top_k)            # [B, K]
+    keys, decay = softmax_keys(f(k_logits), f(log_decay), row_topk)
+    parts, w = index, f(topk_weight)                               # gathered partitions and their weights
+    q_rows, k_rows, g_rows = [f(q)[:, None] * w[..., None, None]], [keys[:, None] * w[..., None, None]], [decay[:, None].expand(-1, top_k, -1, -1)]
+    if q_shared is not None:
+        keys_s, decay_s = softmax_keys(f(k_shared_logits), f(log_decay), row_topk)
+        parts = torch.cat([index, torch.full_like(index[:, :1], N)], 1)
+        q_rows.append(f(q_shared)[:, None]), k_rows.append(keys_s[:, None]), g_rows.append(decay_s[:, None])
+    qq, kk, gg = torch.cat(q_rows, 1), torch.cat(k_rows, 1), torch.cat(g_rows, 1)   # [B, P_sel, H, c]
+    slots = slot_ids[:, None].expand_as(parts)
+    S = state[slots, :, parts]                                      # [B, P_sel, H, c, d_v]
+    S = gg.exp()[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
+    state[slots, :, parts] = S
+    o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
+    return o.to(v.dtype)

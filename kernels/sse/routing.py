@@ -1,0 +1,33 @@
+"""The pieces of SSE that every implementation shares: router weights, top-K selection and softmax keys.
+
+Kept in one place so the reference, the chunked paths, the decode path and the kernels agree on tie-breaking
+(`torch.topk`) and on the row-sparse rule.
+"""
+import torch
+
+
+def route(router_logits: torch.Tensor, top_k: int):
+    """Router weights softmax-ed over all N partitions, and the top-K partitions with their weights.
+
+    The selected weights are not renormalised (DESIGN.md section 3), so the router gets gradients even at K = 1.
+    Returns (weights [..., N], topk_index [..., K], topk_weight [..., K]).
+    """
+    weights = torch.softmax(router_logits.float() if router_logits.dtype != torch.float64 else router_logits, -1)
+    index = torch.topk(router_logits, top_k, dim=-1).indices
+    return weights, index, weights.gather(-1, index)
+
+
+def softmax_keys(k_logits: torch.Tensor, log_decay: torch.Tensor, row_topk: int | None):
+    """Keys as a softmax over the c rows of each head, and the log-decay that goes with them.
+
+    Row-sparse mode keeps the top `row_topk` rows of the key logits, softmaxes over those (zeros elsewhere) and
+    zeroes the log-decay of the other rows, so rows that are not written are not decayed either.
+    """
+    dtype = torch.promote_types(k_logits.dtype, torch.float32)
+    k_logits = k_logits.to(dtype)
+    if row_topk is None:
+        return torch.softmax(k_logits, -1), log_decay.to(dtype)
+    rows = torch.topk(k_logits, row_topk, dim=-1).indices
+    keep = torch.zeros_like(k_logits, dtype=torch.bool).scatter_(-1, rows, True)
+    keys = torch.softmax(k_logits.masked_fill(~keep, float("-inf")), -1)
+    return keys, log_decay.to(dtype) * keep
