@@ -1,0 +1,372 @@
+"""SSE-H for Hugging Face transformers: SSE layers and softmax-attention layers in one decoder.
+
+Parameter names follow Qwen2/Qwen3 (`self_attn.q_proj`, `mlp.gate_proj`, ...) so conversion from those models is a
+copy, and the SSE layer lives under `linear_attn` as in transformers' and vLLM's other hybrids.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import kernels
+from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
+
+
+class SSERMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SSEMLP(nn.Module):
+    def __init__(self, config: SSEConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SSERotaryEmbedding(nn.Module):
+    def __init__(self, config: SSEConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: SSEConfig, **kwargs):
+        dim = config.head_dim
+        base = config.rope_parameters["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """x [B, T, heads, d]; cos/sin [B, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+class SSEAttention(nn.Module):
+    """Softmax attention with RoPE, grouped-query heads and optional q/k norms (Qwen3)."""
+
+    def __init__(self, config: SSEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        D, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
+        if config.attention_qk_norm:
+            self.q_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, *, position_embeddings, mask, cache=None, **_):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class SSELayer(nn.Module):
+    """Sparse State Expansion (DESIGN.md section 3): N routed partitions + a shared one, GLA-style decay.
+
+    The state is H x (N + shared) x c x d_v per sequence; the math itself is `kernels.sse_attention`.
+    """
+
+    def __init__(self, config: SSEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.config = config
+        D = config.hidden_size
+        H, c, dv = config.sse_num_heads, config.sse_key_dim, config.sse_value_dim
+        self.num_heads, self.key_dim, self.value_dim = H, c, dv
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(D, H * c, bias=bias)
+        self.k_proj = nn.Linear(D, H * c, bias=bias)
+        self.v_proj = nn.Linear(D, H * dv, bias=bias)
+        self.router = nn.Linear(D, config.sse_num_partitions, bias=False)
+        self.decay_down = nn.Linear(D, config.sse_decay_rank, bias=False)
+        self.decay_up = nn.Linear(config.sse_decay_rank, H * c, bias=True)
+        if config.sse_shared_partition and config.sse_lora_rank > 0:
+            r = config.sse_lora_rank
+            self.q_shared_down = nn.Linear(D, r, bias=False)
+            self.q_shared_up = nn.Linear(r, H * c, bias=False)
+            self.k_shared_down = nn.Linear(D, r, bias=False)
+            self.k_shared_up = nn.Linear(r, H * c, bias=False)
+        self.g_proj = nn.Linear(D, H * dv, bias=False)
+        self.o_norm = SSERMSNorm(dv, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * dv, D, bias=False)
+
+    def project(self, x, token_mask=None):
+        """Everything the SSE operator takes, from hidden states x [B, T, D]. Pad tokens (token_mask 0) get zero
+        v and zero log-decay, which leaves every state untouched."""
+        B, T, _ = x.shape
+        heads = lambda t: t.view(B, T, self.num_heads, -1)  # noqa: E731
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        log_decay = heads(F.logsigmoid(self.decay_up(self.decay_down(x)).float())) / self.config.sse_decay_normalizer
+        inputs = dict(q=q, k_logits=k, v=v, log_decay=log_decay, router_logits=self.router(x))
+        if self.config.sse_shared_partition:
+            inputs["q_shared"], inputs["k_shared_logits"] = q, k
+            if hasattr(self, "q_shared_up"):
+                inputs["q_shared"] = q + heads(self.q_shared_up(self.q_shared_down(x)))
+                inputs["k_shared_logits"] = k + heads(self.k_shared_up(self.k_shared_down(x)))
+        if token_mask is not None:
+            keep = token_mask[:, :, None, None].to(v.dtype)
+            inputs["v"], inputs["log_decay"] = v * keep, log_decay * keep
+        return inputs
+
+    def output(self, o, x):
+        """Per-head RMSNorm, swish output gate, output projection."""
+        B, T, _ = x.shape
+        gate = F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.value_dim)
+        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))
+
+    def forward(self, x, *, token_mask=None, cu_seqlens=None, cache=None, **_):
+        inputs = self.project(x, token_mask)
+        state = cache.sse_state(self.layer_idx) if cache is not None else None
+        common = dict(top_k=self.config.sse_top_k, row_topk=self.config.sse_row_topk)
+        if state is not None and x.shape[1] == 1:
+            step = {name: t[:, 0] for name, t in inputs.items()}
+            slots = torch.arange(x.shape[0], device=x.device)
+            o = kernels.sse_decode(state, slots, **step, **common)[:, None]   # updates the cached state in place
+        else:
+            o, final = kernels.sse_attention(**inputs, **common, initial_state=state, output_final_state=cache is not None,
+                                             cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
+            if cache is not None:
+                cache.update_recurrent_state(final.float(), self.layer_idx)
+        return self.output(o.to(x.dtype), x), inputs["router_logits"]
+
+
+class SSEDecoderLayer(nn.Module):
+    def __init__(self, config: SSEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == SSE_LAYER:
+            self.linear_attn = SSELayer(config, layer_idx)
+        else:
+            self.self_attn = SSEAttention(config, layer_idx)
+        self.input_layernorm = SSERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = SSERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SSEMLP(config)
+
+    def forward(self, x, **kwargs):
+        router_logits = None
+        h = self.input_layernorm(x)
+        if self.layer_type == SSE_LAYER:
+            h, router_logits = self.linear_attn(h, **kwargs)
+        else:
+            h = self.self_attn(h, **kwargs)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, router_logits
+
+
+class SSECache(DynamicCache):
+    """Recurrent states for SSE layers, KV for attention layers. Counts tokens itself because a model with no
+    attention layer (the GLA baseline) has no KV to count."""
+
+    def __init__(self, config: SSEConfig):
+        super().__init__(config=config)
+        self.seen_tokens = 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # keeps generate from turning the 2D attention mask into per-layer 4D masks we do not use
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def sse_state(self, layer_idx: int) -> torch.Tensor | None:
+        """[B, H, N + shared, c, d_v] float32 state of an SSE layer, or None before its first forward."""
+        layer = self.layers[layer_idx]
+        return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+
+
+def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None):
+    """alpha-free balance term N * sum_i f_i P_i over non-pad tokens, and the usage f [N] for logging.
+
+    f_i is the fraction of tokens routed to partition i (sums to K), P_i the mean router probability."""
+    N = router_logits.shape[-1]
+    probs = torch.softmax(router_logits.float(), -1).reshape(-1, N)
+    chosen = torch.zeros_like(probs).scatter_(-1, router_logits.reshape(-1, N).topk(top_k, -1).indices, 1.0)
+    weight = torch.ones(probs.shape[0], 1, device=probs.device) if token_mask is None else token_mask.reshape(-1, 1).float()
+    count = weight.sum().clamp(min=1)
+    usage = (chosen * weight).sum(0) / count
+    mean_prob = (probs * weight).sum(0) / count
+    return N * (usage * mean_prob).sum(), usage.detach()
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens of sequences packed into one row (position ids restarting at 0, as TRL's padding-free
+    collator makes), or None when the row holds one sequence."""
+    if position_ids is None or position_ids.shape[0] != 1:
+        return None
+    starts = (position_ids[0] == 0).nonzero().squeeze(1)
+    if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
+        return None
+    T = position_ids.shape[1]
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    return torch.cat([starts, starts.new_tensor([T])])
+
+
+def attention_mask_4d(token_mask, cu_seqlens, past_len: int, T: int, device) -> torch.Tensor:
+    """Boolean [B, 1, T, past_len + T] mask: causal, no attention to pad keys, none across packed sequences.
+    Each query may always see itself, so rows of pad queries are never empty (their output is ignored)."""
+    S = past_len + T
+    q_pos = torch.arange(T, device=device)[:, None] + past_len
+    k_pos = torch.arange(S, device=device)[None, :]
+    allowed = (k_pos <= q_pos)[None, None]
+    if token_mask is not None:
+        allowed = allowed & token_mask[:, None, None, -S:].bool()
+    if cu_seqlens is not None:
+        seg = torch.searchsorted(cu_seqlens, torch.arange(T, device=device), right=True)
+        allowed = allowed & (seg[:, None] == seg[None, :])[None, None]
+    return allowed | (k_pos == q_pos)[None, None]
+
+
+@dataclass
+class SSECausalLMOutput(ModelOutput):
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    past_key_values: SSECache | None = None
+    balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
+    partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
+
+
+class SSEPreTrainedModel(PreTrainedModel):
+    config_class = SSEConfig
+    config: SSEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SSEDecoderLayer"]
+    _is_stateful = True
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        from transformers import initialization as init
+        if isinstance(module, SSELayer) and hasattr(module, "q_shared_up"):
+            # The shared partition starts from the routed q/k projections; the LoRA learns its difference.
+            init.zeros_(module.q_shared_up.weight)
+            init.zeros_(module.k_shared_up.weight)
+
+
+class SSEModel(SSEPreTrainedModel):
+    def __init__(self, config: SSEConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(SSEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = SSERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = SSERotaryEmbedding(config) if ATTENTION_LAYER in config.layer_types else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = SSECache(self.config)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        token_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            token_mask = attention_mask
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.dim() == 2:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past_len, past_len + T, device=x.device)[None].expand(B, -1)
+        cu_seqlens = packed_segments(position_ids) if past_len == 0 else None
+
+        layer_kwargs = dict(cache=past_key_values, cu_seqlens=cu_seqlens,
+                            token_mask=None if token_mask is None else token_mask[:, -T:])
+        if self.rotary_emb is not None:
+            layer_kwargs["position_embeddings"] = self.rotary_emb(x, position_ids)
+            layer_kwargs["mask"] = attention_mask_4d(token_mask, cu_seqlens, past_len, T, x.device)
+        router_logits = []
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x, r = self._gradient_checkpointing_func(layer.__call__, x, **layer_kwargs)
+            else:
+                x, r = layer(x, **layer_kwargs)
+            if r is not None:
+                router_logits.append(r)
+        if past_key_values is not None:
+            past_key_values.seen_tokens += T
+        return self.norm(x), past_key_values, router_logits, layer_kwargs["token_mask"]
+
+
+class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate must not build a plain DynamicCache: forward builds an SSECache on first call
+
+    def __init__(self, config: SSEConfig):
+        super().__init__(config)
+        self.model = SSEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> SSECausalLMOutput:
+        hidden, cache, router_logits, token_mask = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+
+        aux, usage = None, None
+        if router_logits:
+            terms = [balance_loss(r, self.config.sse_top_k, token_mask) for r in router_logits]
+            aux = torch.stack([t[0] for t in terms]).mean()
+            usage = torch.stack([t[1] for t in terms])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            if aux is not None and self.config.sse_balance_loss_coef:
+                loss = loss + self.config.sse_balance_loss_coef * aux
+        return SSECausalLMOutput(loss=loss, logits=logits, past_key_values=cache, balance_loss=aux,
+                                 partition_usage=usage)
