@@ -1,0 +1,459 @@
+"""Run configuration: YAML files to frozen dataclasses, validated before any work starts.
+
+A file may begin with `extends: other.yaml` (relative to the file): the other file is read first and this
+file's keys are merged into it (mappings merge key by key; lists and scalars replace). `--set a.b=VALUE`
+overrides are parsed with YAML scalar rules and merged the same way. Every error names where the bad value
+came from and its dotted key: `configs/tiny.yaml: sft.learning_rate: expected float, got str 'abc'`.
+
+`resolve(cfg)` gives the plain dict saved as a run's resolved config; `config_from_dict(resolve(cfg)) == cfg`.
+"""
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+STAGES = ("init", "convert", "sft", "grpo", "eval")
+Stage = Literal["init", "convert", "sft", "grpo", "eval"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file (or `--set`) and the dotted key."""
+
+
+# ---------------------------------------------------------------------------------------------------- schema
+# Defaults are a runnable middle ground; configs/*.yaml set what matters for each recipe.
+
+@dataclass(frozen=True, kw_only=True)
+class RaySettings:
+    address: str | None = None  # None: start a local Ray instance; "auto" or "host:port" joins a cluster
+    num_cpus: int | None = None  # for a local instance; None lets Ray detect
+    num_gpus: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSettings:
+    train: bool = False  # train a byte-level BPE on the SFT data (the embedded default)
+    path: str | None = None  # None: the tokenizer of model.path / convert.source
+    vocab_size: int = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    init: Literal["scratch", "pretrained", "convert"] = "scratch"
+    path: str | None = None  # checkpoint directory or hub id, for init: pretrained
+    config: dict[str, Any] = field(default_factory=dict)  # sse_model.SSEConfig kwargs (or `preset`), for scratch
+    tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertSettings:
+    source: str | None = None  # pretrained Transformer (hub id or directory) to turn into SSE-H
+    attention_every: int = 6  # keep one softmax-attention layer in every `attention_every`
+    attention_layers: list[int] | None = None  # explicit layer indices instead of attention_every
+    partitions: int = 4
+    top_k: int = 1
+    lora_rank: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorSettings:
+    num_examples: int = 2000
+    levels: list[int] = field(default_factory=lambda: [1, 2])  # difficulty levels, mixed uniformly
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSource:
+    source: str = "generator"  # "generator", a Hugging Face dataset id, or a local .jsonl/.parquet path
+    name: str | None = None  # label in metrics and reports; None: derived from source
+    split: str = "train"
+    subset: str | None = None  # Hugging Face config name
+    limit: int | None = None  # first N rows
+    generator: GeneratorSettings = field(default_factory=GeneratorSettings)
+    # column mapping
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    completion_field: str = "solution"  # SFT target when messages_field is unset
+    messages_field: str | None = None  # SFT: a chat column whose last turn is the assistant's answer
+    id_field: str = "id"  # rows without it get "<name>-<row>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    sft: DataSource = field(default_factory=DataSource)
+    grpo: DataSource = field(default_factory=DataSource)
+    # Names from EVAL_PRESETS, or full sources. Held-out problems reported by the eval stage.
+    eval: list[DataSource | str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTSettings:
+    epochs: float = 1.0
+    learning_rate: float = 1e-5
+    lr_scheduler: Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = 0.0
+    per_device_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_length: int = 1024
+    packing: bool = False
+    padding_free: bool = False
+    gradient_checkpointing: bool = False
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    save_steps: int = 100
+    logging_steps: int = 10
+    max_steps: int | None = None  # overrides epochs when set
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    name: str  # a registered reward, or "package.module:function"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMSettings:
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gib: float | None = None  # KV cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE)
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOSettings:
+    steps: int = 100
+    learning_rate: float = 1e-6
+    # Counted in completions, as in TRL: per_device_batch_size * workers * gradient_accumulation_steps
+    # completions per optimizer step, which must hold whole groups of num_generations.
+    per_device_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    num_generations: int = 8
+    max_prompt_length: int = 512
+    long_prompts: Literal["skip", "error"] = "skip"  # prompts over max_prompt_length: skipped and counted, or refused
+    max_completion_length: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0  # KL coefficient; 0 loads no reference model
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="accuracy")])
+    gradient_checkpointing: bool = False
+    save_steps: int = 50
+    logging_steps: int = 1
+    eval_every: int | None = None  # run the eval stage's datasets every N steps
+    parity_threshold: float = 0.1  # largest |logprob(vLLM) - logprob(trainer)| allowed after a weight push
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+    n: int = 32  # samples per problem (avg@n)
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_tokens: int = 32768
+    limit: int | None = None  # first N problems of each dataset
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageResources:
+    num_workers: int = 1
+    num_cpus: float = 1.0  # per worker
+    num_gpus: float = 0.0  # per worker
+    use_gpu: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourceSettings:
+    init: StageResources = field(default_factory=StageResources)
+    convert: StageResources = field(default_factory=StageResources)
+    sft: StageResources = field(default_factory=StageResources)
+    grpo: StageResources = field(default_factory=StageResources)
+    eval: StageResources = field(default_factory=StageResources)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str
+    seed: int = 0
+    output_dir: str = "runs"
+    stages: list[Stage] = field(default_factory=lambda: ["init", "sft", "grpo", "eval"])
+    ray: RaySettings = field(default_factory=RaySettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    convert: ConvertSettings = field(default_factory=ConvertSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    sft: SFTSettings = field(default_factory=SFTSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    resources: ResourceSettings = field(default_factory=ResourceSettings)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# Evaluation sets by name (data.eval entries may be these strings).
+EVAL_PRESETS = {
+    "math500": DataSource(source="HuggingFaceH4/MATH-500", name="math500", split="test", id_field="unique_id"),
+    "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
+    "aime25": DataSource(source="math-ai/aime25", name="aime25", split="test"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config (following `extends`), apply `--set KEY=VALUE` overrides, validate."""
+    origins: dict[str, str] = {}  # dotted key -> file (or "--set") that set it, for error messages
+    raw = _read(Path(path), origins, chain=())
+    for item in overrides:
+        _apply_override(raw, item, origins)
+    return config_from_dict(raw, source=str(path), origins=origins)
+
+
+def config_from_dict(data: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Config:
+    origins = origins or {}
+    try:
+        if not isinstance(data, dict):
+            raise _Invalid("", f"expected a mapping at the top level, got {_describe(data)}")
+        cfg = _convert(Config, data, "")
+        _check(cfg)
+    except _Invalid as e:
+        # Name every place that set a key involved (a cross-key rule may span a file and --set).
+        places = [next((origins[p] for p in _prefixes(k) if p in origins), source) for k in (e.key, *e.related)]
+        raise ConfigError(f"{' and '.join(dict.fromkeys(places))}: {e.key or '<top>'}: {e.message}") from None
+    return cfg
+
+
+def resolve(cfg: Config) -> dict:
+    """The plain dict (YAML-safe) of every setting, defaults included."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(resolve(cfg), sort_keys=False))
+
+
+class _Invalid(Exception):
+    def __init__(self, key: str, message: str, related: Sequence[str] = ()):
+        self.key, self.message, self.related = key, message, related
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-5` as a float (YAML 1.2; PyYAML's 1.1 rules make it a string) and refuses
+    duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"),
+    list("-+.0123456789"),
+)
+
+
+def _parse_yaml(text: str, where: str):
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+
+
+def _read(path: Path, origins: dict[str, str], chain: tuple[Path, ...]) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file" + (f" (extended by {chain[-1]})" if chain else ""))
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
+    data = _parse_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {_describe(data)}")
+    parent = data.pop("extends", None)
+    merged = {}
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise ConfigError(f"{path}: extends: expected str, got {_describe(parent)}")
+        merged = _read(path.parent / parent, origins, chain + (path.resolve(),))
+    _merge(merged, data, str(path), origins, "")
+    return merged
+
+
+def _merge(base: dict, top: dict, where: str, origins: dict[str, str], prefix: str) -> None:
+    for k, v in top.items():
+        key = _join(prefix, k)
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v, where, origins, key)
+        else:
+            base[k] = v
+            for old in [o for o in origins if o.startswith(key + ".") or o.startswith(key + "[")]:
+                del origins[old]
+            origins[key] = where
+
+
+def _apply_override(raw: dict, item: str, origins: dict[str, str]) -> None:
+    key, eq, text = item.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set grpo.num_generations=8")
+    *parents, last = key.strip().split(".")
+    node = raw
+    for depth, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set: {'.'.join(parents[:depth + 1])}: is not a mapping, cannot set {key}")
+    _merge(node, {last: _parse_yaml(text, f"--set {key}")}, "--set", origins, ".".join(parents))
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+def _convert(tp, value, key: str):
+    """Check `value` against the type hint `tp`, building dataclasses; raise _Invalid naming the key."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _Invalid(key, f"expected a mapping, got {_describe(value)}")
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(option, value, key)
+            except _Invalid as e:
+                errors.append(e)
+        # An error inside a nested value (a mapping that almost fits) says more than "expected X or Y".
+        deeper = [e for e in errors if e.key != key]
+        raise deeper[0] if deeper else _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        hint = _did_you_mean(value, [str(a) for a in args]) if isinstance(value, str) else ""
+        raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}{hint}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Invalid(key, f"expected a mapping, got {_describe(value)}")
+        return {k: _convert(args[1], v, _join(key, k)) for k, v in value.items()}
+    # bool is an int subclass and YAML writes `yes`/`true` as bool: keep numbers and flags apart.
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}[tp]
+    if not ok:
+        raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+    return float(value) if tp is float else value
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise _Invalid(_join(prefix, k), f"unknown key{_did_you_mean(str(k), list(fields), show_all=True)}")
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _Invalid(key, "missing required key")
+    return cls(**kwargs)
+
+
+def _check(cfg: Config) -> None:
+    """Rules across keys that types cannot express; each would otherwise fail hours into a run."""
+    def require(ok: bool, key: str, message: str, related: Sequence[str] = ()):
+        if not ok:
+            raise _Invalid(key, message, related)
+
+    stages = cfg.stages
+    require(bool(stages), "stages", "must list at least one stage")
+    require(len(set(stages)) == len(stages) and stages == sorted(stages, key=STAGES.index),
+            "stages", f"must be in the order {', '.join(STAGES)} without repeats, got {stages}")
+    require(not {"init", "convert"} <= set(stages), "stages", "use either init or convert, not both")
+    require(("convert" in stages) == (cfg.model.init == "convert"), "model.init",
+            "must be 'convert' exactly when stages include convert", ["stages"])
+    require(cfg.model.init != "convert" or cfg.convert.source is not None, "convert.source",
+            "required when model.init is 'convert'", ["model.init"])
+    require(cfg.model.init != "pretrained" or cfg.model.path is not None, "model.path",
+            "required when model.init is 'pretrained'", ["model.init"])
+    require(cfg.model.init != "scratch" or cfg.model.tokenizer.train or cfg.model.tokenizer.path is not None,
+            "model.tokenizer.path", "required when model.init is 'scratch' and tokenizer.train is false",
+            ["model.init", "model.tokenizer.train"])
+    g = cfg.grpo
+    require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
+    batch = g.per_device_batch_size * cfg.resources.grpo.num_workers * g.gradient_accumulation_steps
+    require(batch % g.num_generations == 0, "grpo.per_device_batch_size",
+            f"per_device_batch_size * resources.grpo.num_workers * gradient_accumulation_steps = {batch} "
+            f"completions per step must be a multiple of num_generations={g.num_generations}",
+            ["grpo.num_generations", "resources.grpo.num_workers", "grpo.gradient_accumulation_steps"])
+    require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
+    require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
+    for i, entry in enumerate(cfg.data.eval):
+        require(not isinstance(entry, str) or entry in EVAL_PRESETS, f"data.eval[{i}]",
+                f"unknown eval set {entry!r}{_did_you_mean(entry, list(EVAL_PRESETS), show_all=True)}; "
+                "name a preset or give a mapping with `source`")
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def _join(prefix: str, key) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _prefixes(key: str):
+    """'a.b[0].c' -> 'a.b[0].c', 'a.b[0]', 'a.b', 'a'."""
+    while key:
+        yield key
+        key = key[:max(key.rfind("."), key.rfind("["), 0)]
+
+
+def _did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (valid: {', '.join(choices)})" if show_all else ""
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if dataclasses.is_dataclass(tp) or origin is dict:
+        return "mapping"
+    return tp.__name__

@@ -1,0 +1,134 @@
+r"""Arithmetic and algebra word problems with step-by-step solutions from a programmatic teacher.
+
+Levels of difficulty:
+  1  one operation (+ or -) in a one-sentence story
+  2  two events in a story, mixing +, - and * (bags of items)
+  3  a linear equation a*x + b = c
+  4  x on both sides: a*x + b = c*x + d
+  5  two numbers from their sum and difference
+
+The teacher writes one equation per line, always in the same phrasing, and ends with
+"The answer is \boxed{N}." so a tiny model can learn the format by distillation.
+
+A problem belongs to the train or the test split by a hash of its canonical form (the numbers and
+operations, not the names in the story), so the test split never holds a train computation in new words.
+"""
+import hashlib
+import random
+from typing import Callable, Sequence
+
+NAMES = ["Ann", "Ben", "Cat", "Dan", "Eve", "Tom", "Mia", "Sam"]
+ITEMS = ["apples", "pens", "books", "coins", "cards", "stones"]
+TEST_PERCENT = 10
+
+
+def _story_start(rng: random.Random) -> tuple[str, str]:
+    return rng.choice(NAMES), rng.choice(ITEMS)
+
+
+def _level1(rng: random.Random):
+    name, item = _story_start(rng)
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    if rng.random() < 0.5:
+        return (f"1:{a}+{b}", f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+                [f"{a} + {b} = {a + b}"], a + b)
+    a, b = max(a, b), min(a, b)
+    return (f"1:{a}-{b}", f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have now?",
+            [f"{a} - {b} = {a - b}"], a - b)
+
+
+def _level2(rng: random.Random):
+    name, item = _story_start(rng)
+    total = rng.randint(1, 20)
+    sentences, steps, canonical = [f"{name} has {total} {item}."], [], [f"2:{total}"]
+    for then in ("", "Then "):
+        kind = rng.choice(["gets", "gives", "bags"] if total > 1 else ["gets", "bags"])
+        if kind == "gets":
+            b = rng.randint(1, 10)
+            sentences.append(f"{then}{name} gets {b} more.")
+            steps.append(f"{total} + {b} = {total + b}")
+            canonical.append(f"+{b}")
+            total += b
+        elif kind == "gives":
+            b = rng.randint(1, total - 1)
+            sentences.append(f"{then}{name} gives away {b}.")
+            steps.append(f"{total} - {b} = {total - b}")
+            canonical.append(f"-{b}")
+            total -= b
+        else:
+            bags, each = rng.randint(2, 5), rng.randint(2, 9)
+            sentences.append(f"{then}{name} buys {bags} bags with {each} {item} in each.")
+            steps += [f"{bags} * {each} = {bags * each}", f"{total} + {bags * each} = {total + bags * each}"]
+            canonical.append(f"+{bags}*{each}")
+            total += bags * each
+    sentences.append(f"How many {item} does {name} have now?")
+    return "".join(canonical), " ".join(sentences), steps, total
+
+
+def _signed(term: str, b: int) -> str:
+    return f"{term} + {b}" if b >= 0 else f"{term} - {-b}"
+
+
+def _level3(rng: random.Random):
+    while True:
+        a, x, b = rng.randint(2, 9), rng.randint(0, 12), rng.choice([-1, 1]) * rng.randint(1, 20)
+        c = a * x + b
+        if c >= 0:
+            break
+    rest = f"{c} - {b}" if b >= 0 else f"{c} + {-b}"
+    return (f"3:{a}x{b:+d}={c}", f"Solve for x: {_signed(f'{a}x', b)} = {c}.",
+            [f"{a}x = {rest} = {c - b}", f"x = {c - b} / {a} = {x}"], x)
+
+
+def _level4(rng: random.Random):
+    while True:
+        c, diff, x, b = rng.randint(1, 6), rng.randint(2, 5), rng.randint(-5, 12), rng.randint(1, 20)
+        a, d = c + diff, diff * x + b
+        if d >= 1:
+            break
+    return (f"4:{a}x+{b}={c}x+{d}", f"Solve for x: {a}x + {b} = {c}x + {d}.",
+            [f"{a}x - {c}x = {d} - {b}", f"{diff}x = {d - b}", f"x = {d - b} / {diff} = {x}"], x)
+
+
+def _level5(rng: random.Random):
+    small, large = sorted(rng.sample(range(1, 40), 2))
+    s, d = large + small, large - small
+    return (f"5:{s},{d}", f"The sum of two numbers is {s} and their difference is {d}. What is the larger number?",
+            ["Let x be the larger number and y the smaller.", f"x + y = {s}", f"x - y = {d}",
+             f"2x = {s} + {d} = {2 * large}", f"x = {2 * large} / 2 = {large}"],
+            large)
+
+
+LEVELS: dict[int, Callable] = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5}
+
+
+def split_of(canonical: str) -> str:
+    """'test' for about TEST_PERCENT % of canonical problems, 'train' for the rest; stable across runs."""
+    h = int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "big")
+    return "test" if h % 100 < TEST_PERCENT else "train"
+
+
+def generate(num_examples: int, levels: Sequence[int] = (1, 2), seed: int = 0, split: str = "train") -> list[dict]:
+    """`num_examples` problems of the split, levels in turn, each row with id, problem, solution, answer,
+    level and canonical. The same arguments always give the same rows."""
+    if split not in ("train", "test"):
+        raise ValueError(f"generator split must be 'train' or 'test', got {split!r}")
+    unknown = sorted(set(levels) - set(LEVELS))
+    if unknown or not levels:
+        raise ValueError(f"generator levels must be a non-empty list from {sorted(LEVELS)}, got {list(levels)}")
+    rng = random.Random(f"{seed}:{split}")
+    rows = []
+    while len(rows) < num_examples:
+        level = levels[len(rows) % len(levels)]
+        canonical, problem, steps, answer = LEVELS[level](rng)
+        if split_of(canonical) != split:
+            continue
+        rows.append({
+            "id": f"gen-{split}-{seed}-{len(rows)}",
+            "problem": problem,
+            "solution": "\n".join(steps + [f"The answer is \\boxed{{{answer}}}."]),
+            "answer": str(answer),
+            "level": level,
+            "canonical": canonical,
+        })
+    return rows
