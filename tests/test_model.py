@@ -1,0 +1,183 @@
+"""SSE-H on Hugging Face transformers (issue 2): config, registration, checkpoints, padding, packing, generation."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from sse_model import SSEConfig, SSEForCausalLM
+from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
+
+HYBRID = [SSE_LAYER, ATTENTION_LAYER, SSE_LAYER]
+
+
+def tiny_config(**overrides):
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, layer_types=HYBRID,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, sse_num_heads=2, sse_key_dim=16,
+                sse_value_dim=16, sse_num_partitions=4, sse_top_k=2, sse_lora_rank=4, pad_token_id=0)
+    return SSEConfig(**{**base, **overrides})
+
+
+BASELINES = {
+    "sse_n4k2": {},
+    "sse_row_sparse": dict(sse_num_partitions=8, sse_top_k=2, sse_row_topk=4),
+    "gla": dict(sse_num_partitions=1, sse_top_k=1, sse_shared_partition=False, layer_types=[SSE_LAYER] * 3),
+    "transformer": dict(layer_types=[ATTENTION_LAYER] * 3),
+}
+
+
+def model_for(name, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return SSEForCausalLM(tiny_config(**{**BASELINES[name], **overrides})).eval()
+
+
+def test_registered_with_auto_classes(tmp_path):
+    cfg = AutoConfig.for_model("sse_hybrid", **BASELINES["gla"], vocab_size=50, hidden_size=64,
+                               num_hidden_layers=3, num_attention_heads=2, head_dim=32)
+    assert isinstance(cfg, SSEConfig)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert isinstance(model, SSEForCausalLM)
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_save_and_load_safetensors(tmp_path, name):
+    model = model_for(name)
+    ids = torch.randint(1, 97, (2, 11))
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "sse_hybrid"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is SSEForCausalLM
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(layer_types=[SSE_LAYER, "mamba2", SSE_LAYER]), "layer_types"),
+    (dict(layer_types=[SSE_LAYER] * 2), "layer_types"),
+    (dict(head_dim=16), "head_dim"),
+    (dict(sse_top_k=5), "sse_top_k"),
+    (dict(sse_row_topk=17), "sse_row_topk"),
+    (dict(num_key_value_heads=3, num_attention_heads=2), "num_key_value_heads"),
+])
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"SSEConfig.{field}"):
+        tiny_config(**overrides)
+
+
+def test_attention_free_model_accepts_any_attention_head_dim():
+    tiny_config(**BASELINES["gla"], head_dim=16)
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_loss_is_cross_entropy_plus_balance(name):
+    model = model_for(name)
+    ids = torch.randint(1, 97, (2, 13))
+    out = model(ids, labels=ids)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    if name == "transformer":
+        assert out.balance_loss is None and torch.allclose(out.loss, ce)
+        return
+    n_sse = model.config.layer_types.count(SSE_LAYER)
+    assert out.partition_usage.shape == (n_sse, model.config.sse_num_partitions)
+    assert torch.allclose(out.partition_usage.sum(-1), torch.full((n_sse,), float(model.config.sse_top_k)))
+    assert torch.allclose(out.loss, ce + 0.01 * out.balance_loss)
+    out.loss.backward()
+    if model.config.sse_num_partitions > 1:  # with one partition the router weight is softmax([x]) = 1, a constant
+        router = next(m for m in model.modules() if hasattr(m, "router")).router
+        assert router.weight.grad.abs().sum() > 0
+
+
+def test_balance_loss_ignores_pad_tokens():
+    model = model_for("sse_n4k2")
+    ids = torch.randint(1, 97, (1, 9))
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = (padded != 0).long()
+    alone, with_pad = model(ids), model(padded, attention_mask=mask)
+    assert torch.allclose(alone.balance_loss, with_pad.balance_loss, atol=1e-6)
+    assert torch.allclose(alone.partition_usage, with_pad.partition_usage)
+
+
+def test_sse_layer_uses_the_dispatched_operator():
+    """A float64 model through the chunked path equals the same model through the token-loop reference."""
+    ids = torch.randint(1, 97, (2, 17))
+    logits = {impl: model_for("sse_row_sparse", sse_impl=impl).double()(ids).logits
+              for impl in ["reference", "chunk_torch_varlen", "chunk_torch_mask"]}
+    assert torch.allclose(logits["chunk_torch_varlen"], logits["reference"], rtol=0, atol=1e-10)
+    assert torch.allclose(logits["chunk_torch_mask"], logits["reference"], rtol=0, atol=1e-10)
+
+
+def left_padded(seqs):
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):], mask[i, T - len(s):] = s, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_left_padding_matches_each_sequence_alone(name):
+    model = model_for(name)
+    seqs = [torch.randint(1, 97, (n,)) for n in (12, 5, 1)]
+    ids, mask = left_padded(seqs)
+    logits = model(ids, attention_mask=mask).logits
+    for i, s in enumerate(seqs):
+        alone = model(s[None]).logits[0]
+        assert torch.allclose(logits[i, -len(s):], alone, atol=1e-5), (name, i)
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_packed_sequences_do_not_leak(name):
+    model = model_for(name)
+    seqs = [torch.randint(1, 97, (n,)) for n in (7, 1, 10)]
+    packed = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    logits = model(packed, position_ids=positions).logits[0]
+    start = 0
+    for s in seqs:
+        assert torch.allclose(logits[start:start + len(s)], model(s[None]).logits[0], atol=1e-5)
+        start += len(s)
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_incremental_decoding_equals_full_forward(name):
+    """Greedy generation on a left-padded batch: each step's logits equal a full forward over the same tokens."""
+    model = model_for(name)
+    ids, mask = left_padded([torch.randint(1, 97, (n,)) for n in (9, 4, 6)])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    full_mask = torch.cat([mask, torch.ones(3, 12, dtype=torch.long)], 1)
+    full = model(out.sequences, attention_mask=full_mask, use_cache=False).logits
+    T = ids.shape[1]
+    for step, step_logits in enumerate(out.logits):
+        assert torch.allclose(step_logits, full[:, T - 1 + step], atol=1e-4), (name, step)
+
+
+def test_generation_state_is_float32_under_bfloat16():
+    model = model_for("sse_n4k2").to(torch.bfloat16)
+    ids = torch.randint(1, 97, (2, 6))
+    out = model(ids, use_cache=True)
+    state = out.past_key_values.sse_state(0)
+    assert state.dtype == torch.float32
+    assert state.shape == (2, 2, 5, 16, 16)
+    step = model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    assert step.logits.dtype == torch.bfloat16 and torch.isfinite(step.logits).all()
+
+
+def test_paper_2b_parameter_counts():
+    with torch.device("meta"):
+        model = SSEForCausalLM(SSEConfig.from_preset("paper_2b"))
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    assert abs(total / 2.0e9 - 1) < 0.05, total
+    assert abs((total - embedding) / 1.3e9 - 1) < 0.05, total - embedding
+
+
+def test_sse_parameters_do_not_grow_with_partitions_beyond_the_router():
+    def count(n):
+        with torch.device("meta"):
+            model = SSEForCausalLM(SSEConfig.from_preset("paper_2b", sse_num_partitions=n))
+        return sum(p.numel() for p in model.parameters())
+
+    cfg = SSEConfig.from_preset("paper_2b")
+    n_sse = cfg.layer_types.count(SSE_LAYER)
+    assert count(16) - count(4) == (16 - 4) * cfg.hidden_size * n_sse

@@ -1,0 +1,151 @@
+"""The chunked torch paths and the decode step against the float64 token-loop reference (issue 2)."""
+import pytest
+import torch
+
+from conftest import rel_err, sse_inputs
+from kernels import sse_attention, sse_decode
+from kernels.gla import recurrent_gla_reference
+from kernels.sse import softmax_keys
+
+CHUNKED = ["chunk_torch_varlen", "chunk_torch_mask"]
+H, C, DV = 2, 8, 4
+
+# (name, batch, T, N, top_k, shared, row_topk, cu_seqlens, never_route)
+CASES = [
+    ("dense_n4k1_shared", 2, 37, 4, 1, True, None, None, ()),
+    ("varlen_len1_and_empty_segment", 1, 30, 4, 1, True, None, [0, 1, 1, 17, 18, 30], ()),
+    ("row_sparse_n8k2", 2, 21, 8, 2, True, 3, None, ()),
+    ("k_equals_n", 2, 19, 3, 3, True, None, None, ()),
+    ("empty_partitions", 1, 26, 6, 2, False, None, [0, 9, 26], (0, 4)),
+    ("length_one", 3, 1, 4, 2, True, None, None, ()),
+    ("no_shared_chunk_boundary", 2, 32, 4, 1, False, 5, None, ()),
+]
+
+
+def run(impl, x, case, *, initial_state=None, output_final_state=True):
+    _, _, _, N, K, _, row_topk, cu, _ = case
+    return sse_attention(**x, top_k=K, row_topk=row_topk, initial_state=initial_state,
+                         output_final_state=output_final_state,
+                         cu_seqlens=None if cu is None else torch.tensor(cu), impl=impl)
+
+
+def initial_state_for(case, dtype, seed):
+    _, B, _, N, _, shared, _, cu, _ = case
+    segments = B if cu is None else len(cu) - 1
+    return torch.randn(segments, H, N + shared, C, DV, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_reference(impl, case, dtype, tol, with_state):
+    name, B, T, N, _, shared, _, _, never = case
+    seed = hash((impl, name, str(dtype), with_state)) % 2**31
+    x = sse_inputs(B, T, H, C, DV, N, shared=shared, seed=seed, never_route=never)
+    h0 = initial_state_for(case, torch.float64, seed + 1) if with_state else None
+    o_ref, s_ref = run("reference", x, case, initial_state=h0)
+    o, s = run(impl, {k: v.to(dtype) for k, v in x.items()}, case,
+               initial_state=None if h0 is None else h0.to(dtype))
+    assert o.dtype == dtype and o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert rel_err(o, o_ref) < tol
+    assert rel_err(s, s_ref) < tol
+
+
+def test_empty_partition_state_is_untouched():
+    case = CASES[4]
+    x = sse_inputs(1, 26, H, C, DV, 6, shared=False, seed=3, never_route=(0, 4))
+    h0 = initial_state_for(case, torch.float64, 4)
+    for impl in ["reference", *CHUNKED]:
+        _, s = run(impl, x, case, initial_state=h0)
+        assert torch.equal(s[:, :, [0, 4]], h0[:, :, [0, 4]]), impl
+
+
+def test_gla_special_case():
+    """N = 1, K = 1 without shared partition is plain GLA on (q, softmax(k), v, log a) (router weight is 1)."""
+    x = sse_inputs(2, 29, H, C, DV, 1, shared=False, seed=11)
+    keys, decay = softmax_keys(x["k_logits"], x["log_decay"], None)
+    o_gla, s_gla = recurrent_gla_reference(x["q"], keys, x["v"], decay, output_final_state=True)
+    for impl in ["reference", *CHUNKED]:
+        o, s = sse_attention(**x, top_k=1, output_final_state=True, impl=impl)
+        assert rel_err(o, o_gla) < 1e-12, impl
+        assert rel_err(s[:, :, 0], s_gla) < 1e-12, impl
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=["varlen", "row_sparse", "empty_partitions"])
+def test_chunked_gradients_match_reference(impl, case):
+    name, B, T, N, _, shared, _, _, never = case
+    seed = hash((impl, name, "grad")) % 2**31
+    x = sse_inputs(B, T, H, C, DV, N, shared=shared, seed=seed, never_route=never, requires_grad=True)
+    h0 = initial_state_for(case, torch.float64, seed + 1).requires_grad_()
+    weights = {k: torch.randn_like(v) for k, v in
+               zip(["o", "s"], run("reference", x, case, initial_state=h0))}
+    grads = {}
+    for which in ["reference", impl]:
+        o, s = run(which, x, case, initial_state=h0)
+        loss = (o * weights["o"]).sum() + (s * weights["s"]).sum()
+        inputs = [*x.values(), h0]
+        grads[which] = torch.autograd.grad(loss, inputs)
+    for name_, g_ref, g in zip([*x.keys(), "initial_state"], grads["reference"], grads[impl]):
+        assert rel_err(g, g_ref) < 1e-10, name_
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("act_dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_steps_match_reference(shared, act_dtype, tol):
+    """Several decode steps over a state cache with permuted slots and skipped rows (-1) equal running the
+    reference on the same tokens from the same initial states."""
+    N, K, steps, num_slots = 6, 2, 5, 9
+    slots = torch.tensor([7, -1, 2, 0])
+    live = slots >= 0
+    x = sse_inputs(4, steps, H, C, DV, N, shared=shared, seed=5)
+    x = {k: v.to(act_dtype).double() for k, v in x.items()}   # inputs representable in the activation dtype
+    cache = torch.randn(num_slots, H, N + shared, C, DV, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(6))
+    h0 = cache[slots[live]].clone()
+    ref_o, ref_s = sse_attention(**{k: v[live] for k, v in x.items()}, top_k=K, initial_state=h0,
+                                 output_final_state=True, impl="reference")
+    state = cache.float() if act_dtype != torch.float64 else cache.clone()
+    before = state.clone()
+    outs = []
+    for t in range(steps):
+        step = {k: v[:, t].to(act_dtype) for k, v in x.items()}
+        outs.append(sse_decode(state, slots, **step, top_k=K))
+    o = torch.stack(outs, 1)
+    assert o.dtype == act_dtype
+    assert torch.count_nonzero(o[~live]) == 0
+    assert rel_err(o[live], ref_o) < tol
+    assert rel_err(state[slots[live]], ref_s) < max(tol, 1e-6 if act_dtype != torch.float64 else tol)
+    untouched = [i for i in range(num_slots) if i not in slots.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def test_decode_touches_only_selected_partitions():
+    N, K = 5, 1
+    x = sse_inputs(3, 1, H, C, DV, N, shared=True, seed=9)
+    state = torch.randn(3, H, N + 1, C, DV, dtype=torch.float64)
+    before = state.clone()
+    sse_decode(state, torch.arange(3), **{k: v[:, 0] for k, v in x.items()}, top_k=K)
+    chosen = x["router_logits"][:, 0].argmax(-1)
+    for b in range(3):
+        changed = [p for p in range(N + 1) if not torch.equal(state[b, :, p], before[b, :, p])]
+        assert changed == [int(chosen[b]), N]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(top_k=5), "top_k must be in"),
+    (dict(row_topk=99), "row_topk must be in"),
+    (dict(drop="k_shared_logits"), "go together"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 5])), "cu_seqlens"),
+    (dict(initial_state=torch.zeros(2, H, 3, C, DV)), "initial_state must be"),
+    (dict(impl="nope"), "unknown SSE implementation"),
+])
+def test_bad_arguments_are_named(bad, message):
+    x = sse_inputs(2, 7, H, C, DV, 4, seed=1)
+    kwargs = dict(top_k=1)
+    if "drop" in bad:
+        x.pop(bad.pop("drop"))
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=message):
+        sse_attention(**x, **kwargs)
