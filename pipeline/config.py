@@ -226,7 +226,7 @@ def config_from_dict(data: dict, source: str = "<dict>", origins: dict[str, str]
     origins = origins or {}
     try:
         if not isinstance(data, dict):
-            raise _Invalid("", f"expected a mapping at the top level, got {_describe(data)}")
+            raise _Invalid("", f"expected a mapping at the top level, got {describe(data)}")
         cfg = _convert(Config, data, "")
         _check(cfg)
     except _Invalid as e:
@@ -286,12 +286,12 @@ def _read(path: Path, origins: dict[str, str], chain: tuple[Path, ...]) -> dict:
         raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
     data = _parse_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {_describe(data)}")
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {describe(data)}")
     parent = data.pop("extends", None)
     merged = {}
     if parent is not None:
         if not isinstance(parent, str):
-            raise ConfigError(f"{path}: extends: expected str, got {_describe(parent)}")
+            raise ConfigError(f"{path}: extends: expected str, got {describe(parent)}")
         merged = _read(path.parent / parent, origins, chain + (path.resolve(),))
     _merge(merged, data, str(path), origins, "")
     return merged
@@ -331,7 +331,7 @@ def _convert(tp, value, key: str):
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise _Invalid(key, f"expected a mapping, got {_describe(value)}")
+            raise _Invalid(key, f"expected a mapping, got {describe(value)}")
         return _build(tp, value, key)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -344,19 +344,19 @@ def _convert(tp, value, key: str):
                 errors.append(e)
         # An error inside a nested value (a mapping that almost fits) says more than "expected X or Y".
         deeper = [e for e in errors if e.key != key]
-        raise deeper[0] if deeper else _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+        raise deeper[0] if deeper else _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}")
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):
             return value
         hint = _did_you_mean(value, [str(a) for a in args]) if isinstance(value, str) else ""
-        raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}{hint}")
+        raise _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}{hint}")
     if origin is list:
         if not isinstance(value, list):
-            raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}")
         return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise _Invalid(key, f"expected a mapping, got {_describe(value)}")
+            raise _Invalid(key, f"expected a mapping, got {describe(value)}")
         return {k: _convert(args[1], v, _join(key, k)) for k, v in value.items()}
     # bool is an int subclass and YAML writes `yes`/`true` as bool: keep numbers and flags apart.
     ok = {bool: isinstance(value, bool),
@@ -364,7 +364,7 @@ def _convert(tp, value, key: str):
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
           str: isinstance(value, str)}[tp]
     if not ok:
-        raise _Invalid(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+        raise _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}")
     return float(value) if tp is float else value
 
 
@@ -414,9 +414,10 @@ def _check(cfg: Config) -> None:
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
     for i, entry in enumerate(cfg.data.eval):
-        require(not isinstance(entry, str) or entry in EVAL_PRESETS, f"data.eval[{i}]",
-                f"unknown eval set {entry!r}{_did_you_mean(entry, list(EVAL_PRESETS), show_all=True)}; "
-                "name a preset or give a mapping with `source`")
+        if isinstance(entry, str):
+            require(entry in EVAL_PRESETS, f"data.eval[{i}]",
+                    f"unknown eval set {entry!r}{_did_you_mean(entry, list(EVAL_PRESETS), show_all=True)}; "
+                    "name a preset or give a mapping with `source`")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -439,7 +440,8 @@ def _did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
     return f" (valid: {', '.join(choices)})" if show_all else ""
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
+    """Type and (shortened) repr of a value, for error messages."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 

@@ -1,0 +1,205 @@
+"""Datasets for the stages, from the generator, a local JSONL/Parquet file or a Hugging Face dataset id.
+
+Every source is normalised to TRL's conversational formats:
+  SFT:       {"prompt": [messages], "completion": [assistant message]}   (loss on the completion)
+  RL, eval:  {"prompt": [messages], "answer": str, "id": str}            (rewards read `answer`)
+A text prompt becomes one user message in the shared prompt template (`eval.prompts`); a prompt that is
+already a list of chat messages is kept as it is. A malformed row raises DataError naming the source, the
+row (the line number for JSONL) and the field.
+"""
+import functools
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+
+from eval.prompts import build_prompt
+from pipeline.config import EVAL_PRESETS, DataSource, describe
+from pipeline.data.generator import generate
+
+ROLES = ("system", "user", "assistant")
+_MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
+SFT_FEATURES = datasets.Features({"prompt": _MESSAGES, "completion": _MESSAGES})
+RL_FEATURES = datasets.Features({"prompt": _MESSAGES, "answer": datasets.Value("string"), "id": datasets.Value("string")})
+
+
+class DataError(ValueError):
+    """A dataset row or file that cannot be used; the message names the source, row and field."""
+
+
+def load_sft_dataset(src: DataSource) -> datasets.Dataset:
+    """Prompt-completion examples. Columns: `messages_field` (its last turn is the target), else
+    `prompt_field` + `completion_field` (text, or chat messages)."""
+    return _normalise(src, _sft_row, SFT_FEATURES)
+
+
+def load_rl_dataset(src: DataSource) -> datasets.Dataset:
+    """Prompts with reference answers, for GRPO and eval. Columns: `prompt_field`, `answer_field`, `id_field`."""
+    return _normalise(src, _rl_row, RL_FEATURES)
+
+
+def eval_source(entry: DataSource | str) -> DataSource:
+    """A `data.eval` entry as a DataSource (names come from EVAL_PRESETS)."""
+    return EVAL_PRESETS[entry] if isinstance(entry, str) else entry
+
+
+def source_name(src: DataSource) -> str:
+    """Label for metrics and reports: `name`, else the file stem, Hugging Face id or `generator-<split>`."""
+    if src.name:
+        return src.name
+    if src.source == "generator":
+        return f"generator-{src.split}"
+    path = Path(src.source)
+    return path.stem if _is_file(src.source) else path.name if path.is_dir() else src.source
+
+
+def filter_long_prompts(dataset: datasets.Dataset, tokenizer, max_length: int, mode: str
+                        ) -> tuple[datasets.Dataset, int]:
+    """Drop prompts whose chat-templated length exceeds `max_length` ("skip": returns how many), or refuse
+    them ("error", naming the first). Long prompts would otherwise be truncated silently."""
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in dataset["prompt"]]
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if mode == "error" and len(keep) < len(lengths):
+        first = next(i for i, n in enumerate(lengths) if n > max_length)
+        raise DataError(f"prompt {dataset[first]['id']!r}: {lengths[first]} tokens, over max_prompt_length="
+                        f"{max_length} ({len(lengths) - len(keep)} prompts in all; set long_prompts: skip to drop "
+                        "them)")
+    return dataset.select(keep), len(lengths) - len(keep)
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+
+def _normalise(src: DataSource, make_row, features: datasets.Features) -> datasets.Dataset:
+    label = _label(src)
+    make = functools.partial(make_row, src=src, label=label)
+    if src.source == "generator":
+        g = src.generator
+        rows = generate(g.num_examples, g.levels, g.seed, src.split)
+        return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows[:src.limit])], features)
+    if _is_file(src.source):
+        rows = _read_file(Path(src.source), src)
+        return datasets.Dataset.from_list([make(row, number) for number, row in rows], features)
+    # A Hugging Face dataset id (or a local dataset directory): rows are checked as they are mapped, so a
+    # large dataset is never held in memory as Python objects.
+    try:
+        ds = datasets.load_dataset(src.source, src.subset, split=src.split)
+    except Exception as e:  # noqa: BLE001 (datasets raises many kinds; the cause is kept)
+        raise DataError(f"{label}: cannot load dataset: {type(e).__name__}: {e}") from e
+    if src.limit is not None:
+        ds = ds.select(range(min(src.limit, len(ds))))
+    return ds.map(_with_row_number, fn_kwargs={"make": make}, with_indices=True, remove_columns=ds.column_names,
+                  features=features, desc=f"Checking {label}")
+
+
+def _with_row_number(row: dict, index: int, make) -> dict:
+    return make(row, index + 1)
+
+
+def _sft_row(row: dict, number: int, src: DataSource, label: str) -> dict:
+    where = f"{label}: row {number}"
+    if src.messages_field is not None:
+        messages = _messages(row, src.messages_field, where)
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            raise DataError(f"{where}: {src.messages_field}: expected turns ending with an assistant turn, "
+                            f"got roles {[m['role'] for m in messages]}")
+        return {"prompt": messages[:-1], "completion": messages[-1:]}
+    completion = row.get(src.completion_field)
+    if isinstance(completion, list):
+        completion = _messages(row, src.completion_field, where)
+    else:
+        completion = [{"role": "assistant", "content": _text(row, src.completion_field, where)}]
+    return {"prompt": _prompt(row, src.prompt_field, where), "completion": completion}
+
+
+def _rl_row(row: dict, number: int, src: DataSource, label: str) -> dict:
+    where = f"{label}: row {number}"
+    answer = row.get(src.answer_field)
+    # Integer answers (AIME sets often store them as numbers) are exact as text; floats and the rest are not.
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    else:
+        answer = _text(row, src.answer_field, where)
+    row_id = row.get(src.id_field)
+    if row_id is None:
+        row_id = f"{source_name(src)}-{number}"
+    elif isinstance(row_id, int | str) and not isinstance(row_id, bool):
+        row_id = str(row_id)
+    else:
+        raise DataError(f"{where}: {src.id_field}: expected a string or integer, got {describe(row_id)}")
+    return {"prompt": _prompt(row, src.prompt_field, where), "answer": answer.strip(), "id": row_id}
+
+
+def _prompt(row: dict, field: str, where: str) -> list[dict]:
+    if isinstance(row.get(field), list):
+        return _messages(row, field, where)
+    return build_prompt(_text(row, field, where))
+
+
+def _text(row: dict, field: str, where: str) -> str:
+    if row.get(field) is None:
+        raise DataError(f"{where}: {field}: missing (row has {', '.join(map(str, row)) or 'no fields'})")
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {field}: expected a string, got {describe(value)}")
+    if not value.strip():
+        raise DataError(f"{where}: {field}: empty")
+    return value
+
+
+def _messages(row: dict, field: str, where: str) -> list[dict]:
+    value = row.get(field)
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {field}: expected a non-empty list of chat messages, got {describe(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field}[{i}]: expected {{role: {'|'.join(ROLES)}, content: str}}, "
+                            f"got {describe(m)}")
+        if not m["content"].strip():
+            raise DataError(f"{where}: {field}[{i}].content: empty")
+    # Only role and content: extra keys (tool calls, metadata) would turn into ragged Arrow columns.
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+# ---------------------------------------------------------------------------------------------------- files
+
+def _is_file(source: str) -> bool:
+    return source.endswith((".jsonl", ".parquet"))
+
+
+def _label(src: DataSource) -> str:
+    if src.source == "generator":
+        return f"generator[{src.split}]"
+    if _is_file(src.source):
+        return src.source
+    return f"{src.source}" + (f"[{src.subset}]" if src.subset else "") + f" (split {src.split})"
+
+
+def _read_file(path: Path, src: DataSource):
+    """(row number, row) pairs of a local file, the first `src.limit` rows. JSONL rows are numbered by line."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        rows = pq.read_table(path).to_pylist()
+        return list(enumerate(rows, start=1))[:src.limit]
+    rows = []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if src.limit is not None and len(rows) >= src.limit:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: row {number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: row {number}: invalid JSON: {e.msg} at column {e.colno}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {number}: expected a JSON object, got {describe(row)}")
+            rows.append((number, row))
+    return rows
