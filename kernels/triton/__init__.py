@@ -1,0 +1,15 @@
+"""SSE Triton kernels (GPU; also run on CPU under TRITON_INTERPRET=1 for tests).
+
+- `routing.py`  top-K routing and the counting sort into (segment, partition) groups with new cu_seqlens
+- `expand.py`   gather of token inputs into GLA rows (weights, softmax keys, row-sparse masking) and the scatter
+                back, both with their backward
+- `chunk.py`    the training paths `sse_triton_varlen` / `sse_triton_mask` around a chunked GLA core
+                (flash-linear-attention's `chunk_gla` by default)
+- `decode.py`   the fused in-place decode step `sse_decode_triton`
+`kernels.dispatch` imports this package only when a Triton path is asked for, so `import kernels` needs
+neither a GPU nor flash-linear-attention.
+"""
+from kernels.triton.chunk import sse_triton_mask, sse_triton_varlen
+from kernels.triton.decode import sse_decode_triton
+
+__all__ = ["sse_decode_triton", "sse_triton_mask", "sse_triton_varlen"]

@@ -1,0 +1,47 @@
+"""Device functions every SSE Triton kernel shares, so routing, the training path and decode agree bit for bit
+on router weights, top-K tie-breaking (lowest index wins, like a stable sort) and the row-sparse rule.
+
+All of them take 2-D float32 register tiles [rows, columns] and reduce over the columns (axis 1).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def router_softmax(logits, n, N):
+    """Softmax of router logits [rows, BLOCK_N] over the N real partitions (`n` is the partition index)."""
+    logits = tl.where(n < N, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1, keep_dims=True))
+    return p / tl.sum(p, 1, keep_dims=True)
+
+
+@triton.jit
+def top1(scores, n, BLOCK_N: tl.constexpr):
+    """Index of the largest score along axis 1 (lowest index on ties), and scores with it removed,
+    so calling it K times walks the top-K in order."""
+    best = tl.max(scores, 1, keep_dims=True)
+    index = tl.min(tl.where(scores == best, n, BLOCK_N), 1, keep_dims=True)
+    return index, tl.where(n == index, float("-inf"), scores)
+
+
+@triton.jit
+def softmax_keys(z, valid, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Keys = softmax over the valid columns of key logits z [heads, BLOCK_C], and the mask of the state rows
+    (columns here) they write.
+
+    Row-sparse mode (ROW_TOPK > 0) keeps exactly ROW_TOPK columns: those above the ROW_TOPK-th largest value
+    and, among the ones equal to it (ties are common in bf16), the lowest indices, like `top1`.
+    """
+    z = tl.where(valid, z, float("-inf"))
+    keep = valid
+    if ROW_TOPK > 0:
+        ranked = tl.sort(z, 1, descending=True)
+        col = tl.arange(0, BLOCK_C)[None, :]
+        threshold = tl.sum(tl.where(col == ROW_TOPK - 1, ranked, 0.0), 1, keep_dims=True)
+        above = z > threshold
+        tied = (z == threshold).to(tl.int32)
+        room = ROW_TOPK - tl.sum(above.to(tl.int32), 1, keep_dims=True)
+        keep = valid & (above | ((tied > 0) & (tl.cumsum(tied, 1) <= room)))
+        z = tl.where(keep, z, float("-inf"))
+    p = tl.exp(z - tl.max(z, 1, keep_dims=True))
+    return p / tl.sum(p, 1, keep_dims=True), keep

@@ -1,0 +1,94 @@
+"""Fused SSE decode step: one new token for each of a batch of sequences, states updated in place.
+
+One program per (sequence, head, block of d_v columns): it routes the token (softmax + top-K over N, cheap and
+recomputed per program so no launch or host sync is needed for routing), computes the softmax keys, then for
+each of the K selected partitions and the shared one loads its [c, BLOCK_V] state tile, decays and writes it,
+stores it back and accumulates w * q S. So each touched state is read once and written once, the other
+partitions are not touched, and a slot id of -1 masks every load and store (output 0). Shapes are all the
+launch needs: the step is CUDA-graph capturable.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import router_softmax, softmax_keys, top1
+
+
+@triton.jit
+def _update(state_ptr, tile, mask, decay, key, v, q):
+    """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]."""
+    S = tl.load(state_ptr + tile, mask=mask, other=0.0)
+    S = decay * S + key * v
+    tl.store(state_ptr + tile, S, mask=mask)
+    return tl.sum(q * S, 0)[None, :]
+
+
+@triton.jit
+def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale, H, C, V,
+                   N, K: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = slot >= 0
+    c = tl.arange(0, BLOCK_C)[None, :]
+    d = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    n = tl.arange(0, BLOCK_N)[None, :]
+    bhc = (b * H + h) * C + c
+    # Token vectors are loaded as rows [1, C] for the softmax helpers and transposed into columns [C, 1] to
+    # scale the state's rows.
+    keys, keep = softmax_keys(tl.load(k_ptr + bhc, mask=c < C, other=0.0).to(tl.float32), c < C, ROW_TOPK,
+                              BLOCK_C)
+    g = tl.load(g_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + (b * H + h) * V + d, mask=d < V, other=0.0).to(tl.float32)
+    logits = tl.load(e_ptr + b * N + n, mask=n < N, other=0.0).to(tl.float32)
+    w = router_softmax(logits, n, N)
+    scores = tl.where(n < N, logits, float("-inf"))
+
+    P = N + SHARED
+    r = tl.arange(0, BLOCK_C)[:, None]                 # state rows
+    tile = r * V + d                                   # [BLOCK_C, BLOCK_V] offsets inside one state
+    mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
+    base = state_ptr + (slot * H + h) * P * C * V
+    decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
+    acc = tl.zeros([1, BLOCK_V], tl.float32)
+    for _ in tl.static_range(K):
+        p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
+        w_p = tl.sum(tl.where(n == p, w, 0.0))
+        p = tl.sum(p)                                  # scalar partition index
+        acc += w_p * _update(base + p * C * V, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
+    if SHARED:
+        keys_s, keep_s = softmax_keys(tl.load(ks_ptr + bhc, mask=c < C, other=0.0).to(tl.float32), c < C,
+                                      ROW_TOPK, BLOCK_C)
+        q_s = tl.load(qs_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
+        decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
+        acc += _update(base + N * C * V, tile, mask, decay_s, tl.trans(keys_s), v, tl.trans(q_s))
+    o = tl.where(live, scale * acc, 0.0)
+    tl.store(o_ptr + (b * H + h) * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
+
+
+def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
+                      k_shared_logits=None, row_topk=None, scale=None):
+    """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32
+    (contiguous, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v];
+    router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype.
+    Slot ids must be distinct (two programs writing one state would race)."""
+    B, H, C = q.shape
+    V, N = v.shape[-1], router_logits.shape[-1]
+    shared = q_shared is not None
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("the decode state cache must be a contiguous float32 tensor (it is updated in place)")
+    if state.shape[1:] != (H, N + shared, C, V):
+        raise ValueError(f"state must be [num_slots, H, N + shared, c, d_v] = [*, {H}, {N + shared}, {C}, {V}], "
+                         f"got {tuple(state.shape)}")
+    scale = C**-0.5 if scale is None else scale
+    o = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
+    block_v = min(triton.next_power_of_2(V), 32)  # a [c, 32] float32 tile: 16 KB per partition at c = 128
+    args = [x.contiguous() for x in (q, k_logits, v, log_decay, router_logits)]
+    shared_args = [x.contiguous() for x in (q_shared, k_shared_logits)] if shared else args[:2]
+    if B:
+        _decode_kernel[(B, H, triton.cdiv(V, block_v))](
+            state, slot_ids.contiguous(), *args, *shared_args, o, scale, H, C, V, N, top_k, shared, row_topk or 0,
+            triton.next_power_of_2(C), block_v, triton.next_power_of_2(N), num_warps=4)
+    return o
