@@ -1,0 +1,233 @@
+"""Reward registry, the TRL-facing wrapper that keeps a failing reward from stopping training, and failure counts.
+
+A reward is a plain function `(prompts, completions, **columns) -> list[float | None]` (TRL's convention):
+one value per completion, None where the reward does not apply. Dataset columns (e.g. `answer`) arrive as
+keyword arguments, one value per completion; TRL also passes `completion_ids`, `trainer_state`,
+`log_metric` and `log_extra`. Options a config may set are keyword-only parameters of the function.
+
+    from rewards import register
+
+    @register("brevity")
+    def brevity(prompts, completions, *, scale: float = 1e-3, **kwargs):
+        return [-scale * len(c) for c in completions]
+
+`build_rewards([{"name": "math_accuracy", "weight": 1.0}, {"name": "format", "weight": 0.1}])` returns the
+wrapped functions and their weights, ready for `GRPOTrainer(reward_funcs=...)` and
+`GRPOConfig(reward_weights=...)`.
+"""
+import importlib
+import inspect
+import logging
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list]
+FAILURE_KINDS = ("error", "timeout", "invalid")  # raised / ran out of time / returned NaN or a bad shape
+
+_REGISTRY: dict[str, RewardFunc] = {}
+_failures: dict[str, Counter] = defaultdict(Counter)
+_logged: set[tuple[str, str]] = set()
+_active: ContextVar[str | None] = ContextVar("active_reward", default=None)
+
+
+def register(name: str | None = None):
+    """Decorator: register a reward function under `name` (default: the function's name)."""
+    def decorator(func: RewardFunc) -> RewardFunc:
+        key = name or func.__name__
+        old = _REGISTRY.get(key)
+        # Re-registering the same function (a module imported again) is fine; a different one is a clash.
+        if old is not None and (old.__module__, old.__qualname__) != (func.__module__, func.__qualname__):
+            raise ValueError(f"reward {key!r} is already registered by {old.__module__}.{old.__qualname__}")
+        _REGISTRY[key] = func
+        return func
+    return decorator
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFunc:
+    """A registered reward by name, or any importable function given as "package.module:function"."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" not in name:
+        raise KeyError(f"unknown reward {name!r}: registered rewards are {', '.join(registered())}; "
+                       "or name a function as 'package.module:function'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from e
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise AttributeError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+    return func
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+
+def record_failure(kind: str, count: int = 1, message: str = "", exc_info=None):
+    """Count `count` completions whose reward failed (`kind` in FAILURE_KINDS) under the reward now running.
+
+    Rewards that handle their own per-completion failures (math_accuracy's grading timeouts) call this;
+    SafeReward calls it for everything else. The first failure of each kind per reward is logged as a
+    warning, later ones only at debug level: they are counted, which is what the metrics report.
+    """
+    name = _active.get() or "unnamed"
+    _failures[name][kind] += count
+    if (name, kind) not in _logged:
+        _logged.add((name, kind))
+        logger.warning("reward %r: %s (%s; the completion gets 0; further failures of this kind are counted "
+                       "in rewards.failure_counts() and logged at debug level)", name, message, kind,
+                       exc_info=exc_info)
+    else:
+        logger.debug("reward %r: %s (%s)", name, message, kind, exc_info=exc_info)
+
+
+def failure_counts() -> dict[str, dict[str, int]]:
+    """Completions whose reward failed since start (or the last reset): {reward name: {kind: count}}."""
+    return {name: {kind: counts[kind] for kind in FAILURE_KINDS} for name, counts in _failures.items()}
+
+
+def reset_failure_counts():
+    _failures.clear()
+
+
+# ---------------------------------------------------------------------------------------------------- wrapper
+
+class SafeReward:
+    """A reward as TRL sees it: options bound, named for TRL's logs, failures turned into 0 and counted.
+
+    TRL logs each reward as `rewards/<__name__>/mean`; this wrapper also logs `rewards/<name>/failed`, the
+    fraction of the batch whose reward failed, through TRL's `log_metric` when TRL passes it. A class
+    instance rather than a closure so it pickles (TRL and Ray may ship reward functions to other processes).
+    """
+
+    def __init__(self, func: RewardFunc, name: str, options: Mapping | None = None):
+        if inspect.iscoroutinefunction(func):
+            raise TypeError(f"reward {name!r}: async reward functions are not supported")
+        self.func = func
+        self.__name__ = name
+        self.options = dict(options or {})
+
+    def __repr__(self):
+        return f"SafeReward({self.__name__!r}, {self.func.__module__}.{self.func.__qualname__}, {self.options})"
+
+    def __call__(self, prompts: list, completions: list, **columns) -> list[float | None]:
+        token = _active.set(self.__name__)
+        before = sum(_failures[self.__name__].values())
+        try:
+            values = self._batch(prompts, completions, columns)
+        finally:
+            _active.reset(token)
+        log_metric = columns.get("log_metric")
+        if callable(log_metric) and completions:
+            failed = sum(_failures[self.__name__].values()) - before
+            log_metric(f"rewards/{self.__name__}/failed", failed / len(completions))
+        return values
+
+    def _batch(self, prompts, completions, columns) -> list[float | None]:
+        n = len(completions)
+        try:
+            values = self.func(prompts, completions, **{**columns, **self.options})
+        except Exception as e:  # noqa: BLE001 (any bug in a reward must not stop training)
+            logger.debug("reward %r raised %s on a batch; retrying completion by completion", self.__name__,
+                         type(e).__name__)
+            return [self._one(prompts, completions, columns, i) for i in range(n)]
+        return self._check(values, n)
+
+    def _one(self, prompts, completions, columns, i) -> float | None:
+        """The reward of completion i alone, so that one bad completion does not zero its whole batch."""
+        n = len(completions)
+        # Per-completion columns are lists of length n; the rest (trainer_state, log_metric, ...) pass as is.
+        row = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in columns.items()}
+        try:
+            values = self.func(prompts[i:i + 1], completions[i:i + 1], **{**row, **self.options})
+        except Exception as e:  # noqa: BLE001
+            record_failure("error", 1, f"raised {type(e).__name__}: {e}", exc_info=True)
+            return 0.0
+        return self._check(values, 1)[0]
+
+    def _check(self, values, n: int) -> list[float | None]:
+        """One float (or None) per completion; NaN, non-numbers and a wrong length become 0 and are counted."""
+        try:
+            values = list(values)
+        except TypeError:
+            record_failure("invalid", n, f"returned {type(values).__name__}, not a list of {n} values")
+            return [0.0] * n
+        if len(values) != n:
+            record_failure("invalid", n, f"returned {len(values)} values for {n} completions")
+            return [0.0] * n
+        out = []
+        for v in values:
+            if v is None:
+                out.append(None)
+                continue
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                record_failure("invalid", 1, f"returned {type(v).__name__} {v!r:.60}, not a number")
+                v = 0.0
+            if not math.isfinite(v):
+                record_failure("invalid", 1, f"returned {v}")
+                v = 0.0
+            out.append(v)
+        return out
+
+
+def build_reward(name: str, options: Mapping | None = None, log_name: str | None = None) -> SafeReward:
+    """One reward, wrapped. `options` must name keyword-only parameters of the function; those without a
+    default are required. `log_name` replaces the name TRL logs it under (default: `name`, or the function's
+    name for "module:function")."""
+    func = get_reward(name)
+    options = dict(options or {})
+    params = inspect.signature(func).parameters.values()
+    allowed = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"reward {name!r}: unknown option(s) {', '.join(unknown)}; "
+                         f"options: {', '.join(sorted(allowed)) or 'none'}")
+    missing = sorted(required - set(options))
+    if missing:
+        raise ValueError(f"reward {name!r}: missing required option(s) {', '.join(missing)}")
+    return SafeReward(func, log_name or (func.__name__ if ":" in name else name), options)
+
+
+def build_rewards(specs) -> tuple[list[SafeReward], list[float]]:
+    """Rewards and weights from a config list, for TRL: `GRPOTrainer(reward_funcs=funcs)` and
+    `GRPOConfig(reward_weights=weights)`. TRL sums weight * reward per completion (a None reward is left out).
+
+    Each spec is a reward name, a mapping {name, weight=1.0, kwargs={}, log_name=None}, or an object with
+    those attributes (the pipeline's RewardSpec).
+    """
+    funcs, weights = [], []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        elif not isinstance(spec, Mapping):
+            spec = {k: getattr(spec, k) for k in ("name", "weight", "kwargs", "log_name") if hasattr(spec, k)}
+        unknown = sorted(set(spec) - {"name", "weight", "kwargs", "log_name"})
+        if unknown:
+            raise ValueError(f"rewards[{i}]: unknown key(s) {', '.join(unknown)}; keys: name, weight, kwargs, "
+                             "log_name")
+        if not isinstance(spec.get("name"), str):
+            raise ValueError(f"rewards[{i}]: 'name' must be a reward name or 'package.module:function'")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise ValueError(f"rewards[{i}] ({spec['name']}): 'weight' must be a finite number, got {weight!r}")
+        try:
+            func = build_reward(spec["name"], spec.get("kwargs"), spec.get("log_name"))
+        except (KeyError, ValueError, ImportError, AttributeError, TypeError) as e:
+            raise ValueError(f"rewards[{i}]: {e}") from e
+        if func.__name__ in [f.__name__ for f in funcs]:
+            raise ValueError(f"rewards[{i}]: two rewards would be logged as {func.__name__!r}; give one a "
+                             "'log_name'")
+        funcs.append(func)
+        weights.append(float(weight))
+    return funcs, weights
