@@ -18,8 +18,8 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-STAGES = ("init", "convert", "sft", "grpo", "eval")
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
+STAGES = typing.get_args(Stage)  # in the order they run
 
 
 class ConfigError(ValueError):
@@ -231,7 +231,7 @@ def config_from_dict(data: dict, source: str = "<dict>", origins: dict[str, str]
         _check(cfg)
     except _Invalid as e:
         # Name every place that set a key involved (a cross-key rule may span a file and --set).
-        places = [next((origins[p] for p in _prefixes(k) if p in origins), source) for k in (e.key, *e.related)]
+        places = [_origin(k, origins, source) for k in (e.key, *e.related)]
         raise ConfigError(f"{' and '.join(dict.fromkeys(places))}: {e.key or '<top>'}: {e.message}") from None
     return cfg
 
@@ -276,7 +276,10 @@ def _parse_yaml(text: str, where: str):
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+        mark, context = getattr(e, "problem_mark", None), getattr(e, "context", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}" + (f" ({context})" if context else "")) from None
 
 
 def _read(path: Path, origins: dict[str, str], chain: tuple[Path, ...]) -> dict:
@@ -284,7 +287,11 @@ def _read(path: Path, origins: dict[str, str], chain: tuple[Path, ...]) -> dict:
         raise ConfigError(f"{path}: no such config file" + (f" (extended by {chain[-1]})" if chain else ""))
     if path.resolve() in chain:
         raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
-    data = _parse_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    data = _parse_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {describe(data)}")
     parent = data.pop("extends", None)
@@ -424,6 +431,15 @@ def _check(cfg: Config) -> None:
 
 def _join(prefix: str, key) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _origin(key: str, origins: dict[str, str], default: str) -> str:
+    """Where `key` was set: by itself or an enclosing key, else by a key inside it (`--set a.b=1` on a missing
+    `a` builds the mapping `a`), else the top file."""
+    for k in _prefixes(key):
+        if k in origins:
+            return origins[k]
+    return next((v for k, v in origins.items() if k.startswith((key + ".", key + "["))), default)
 
 
 def _prefixes(key: str):

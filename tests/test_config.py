@@ -1,0 +1,164 @@
+"""Config loading: shipped configs validate and round-trip; bad configs fail naming the file and the key."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, config_from_dict, load_config, resolve, save_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    assert config_from_dict(resolve(cfg)) == cfg
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_model_config_builds(path):
+    from sse_model.configuration_sse import SSEConfig
+
+    settings = dict(load_config(path).model.config)
+    if "preset" in settings:
+        SSEConfig.from_preset(settings.pop("preset"), **settings)
+    elif settings:
+        SSEConfig(vocab_size=512, **settings)
+
+
+def test_shipped_set_is_complete():
+    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "tiny_gla.yaml", "tiny_transformer.yaml", "sse_h_2b.yaml",
+                                         "convert_qwen3_1p7b.yaml"}
+
+
+def test_baselines_differ_from_tiny_only_in_architecture():
+    for name, arch in [("tiny_gla.yaml", {"sse_num_partitions": 1, "sse_top_k": 1, "sse_shared_partition": False}),
+                       ("tiny_transformer.yaml", {"layer_types": ["full_attention"] * 4})]:
+        tiny = resolve(load_config(CONFIGS[0].parent / "tiny.yaml"))
+        base = resolve(load_config(CONFIGS[0].parent / name))
+        assert base["model"]["config"] == {**tiny["model"]["config"], **arch}
+        for d in (base, tiny):
+            d.pop("name"), d["model"].pop("config")
+        assert base == tiny
+
+
+def test_paper_recipe_numbers():
+    cfg = load_config(CONFIGS[0].parent / "sse_h_2b.yaml")
+    assert cfg.model.config == {"preset": "paper_2b"}
+    assert (cfg.sft.epochs, cfg.sft.max_length, cfg.data.sft.limit) == (5, 32768, 80000)
+    assert (cfg.grpo.steps, cfg.grpo.num_generations, cfg.grpo.max_completion_length) == (230, 8, 32768)
+    assert (cfg.eval.n, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
+    assert cfg.data.eval == ["aime24", "aime25", "math500"]
+
+
+def _write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD = [
+    ("sft: {learning_rate: abc}", "sft.learning_rate: expected float, got str 'abc'"),
+    ("sft: {learnig_rate: 0.1}", "sft.learnig_rate: unknown key (did you mean 'learning_rate'?)"),
+    ("sft: {zzz: 1}", "sft.zzz: unknown key (valid: epochs, learning_rate, lr_scheduler, warmup_ratio, "
+     "per_device_batch_size, gradient_accumulation_steps, max_length, packing, padding_free, "
+     "gradient_checkpointing, weight_decay, max_grad_norm, save_steps, logging_steps, max_steps)"),
+    ("grpo: {rewards: [{name: accuracy, weight: high}]}", "grpo.rewards[0].weight: expected float, got str 'high'"),
+    ("grpo: {rewards: [{weight: 1.0}]}", "grpo.rewards[0].name: missing required key"),
+    ("grpo: {rewards: accuracy}", "grpo.rewards: expected list of mapping, got str 'accuracy'"),
+    ("model: {path: 3}", "model.path: expected str or null, got int 3"),
+    ("grpo: {loss_type: dapoo}", "grpo.loss_type: expected one of 'grpo', 'dr_grpo', 'dapo', 'bnpo', 'cispo', "
+     "'sapo', 'luspo', 'vespo', got str 'dapoo' (did you mean 'dapo'?)"),
+    ("stages: [init, sft, rl]", "stages[2]: expected one of 'init', 'convert', 'sft', 'grpo', 'eval', got str 'rl'"),
+    ("seed: true", "seed: expected int, got bool True"),
+    ("sft: {packing: 1}", "sft.packing: expected bool, got int 1"),
+    ("convert: {attention_layers: [1, x]}", "convert.attention_layers[1]: expected int, got str 'x'"),
+    ("data: {eval: [{source: x.jsonl, limt: 3}]}", "data.eval[0].limt: unknown key (did you mean 'limit'?)"),
+    ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a preset "
+     "or give a mapping with `source`"),
+    ("model: {config: [1]}", "model.config: expected a mapping, got list [1]"),
+    ("stages: [sft, init]", "stages: must be in the order init, convert, sft, grpo, eval without repeats, "
+     "got ['sft', 'init']"),
+    ("model: {init: pretrained}", "model.path: required when model.init is 'pretrained'"),
+    ("grpo: {num_generations: 3}", "grpo.per_device_batch_size: per_device_batch_size * resources.grpo.num_workers "
+     "* gradient_accumulation_steps = 8 completions per step must be a multiple of num_generations=3"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_config_names_file_and_key(tmp_path, text, message):
+    # A valid model section unless the case is about the model section.
+    path = _write(tmp_path, f"name: t\n{text}\n" + ("" if "model:" in text else "model: {tokenizer: {train: true}}\n"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_missing_required_and_not_a_mapping(tmp_path):
+    path = _write(tmp_path, "seed: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: name: missing required key$"):
+        load_config(path)
+    path = _write(tmp_path, "- a\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: expected a mapping at the top level, got list \['a'\]$"):
+        load_config(path)
+
+
+def test_yaml_problems(tmp_path):
+    path = _write(tmp_path, "name: t\nseed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: invalid YAML at line 3, column 1: duplicate key 'seed'$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_scientific_notation_is_a_float(tmp_path):
+    cfg = load_config(_write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\nsft: {learning_rate: 1e-4}\n"),
+                      ["grpo.learning_rate=5e-7"])
+    assert (cfg.sft.learning_rate, cfg.grpo.learning_rate) == (1e-4, 5e-7)
+
+
+def test_overrides(tmp_path):
+    path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}, config: {hidden_size: 128}}\n")
+    cfg = load_config(path, ["grpo.num_generations=4", "data.eval=[math500, aime24]", "model.config.num_hidden_layers=2",
+                             "ray.address=auto", "model.path=null"])
+    assert cfg.grpo.num_generations == 4
+    assert cfg.data.eval == ["math500", "aime24"]
+    assert cfg.model.config == {"hidden_size": 128, "num_hidden_layers": 2}
+    assert cfg.ray.address == "auto" and cfg.model.path is None
+    for item, message in [
+        ("grpo.num_generations=abc", "--set: grpo.num_generations: expected int, got str 'abc'"),
+        ("grpo.num_genrations=8", "--set: grpo.num_genrations: unknown key (did you mean 'num_generations'?)"),
+        ("grpo", "--set 'grpo': expected KEY=VALUE, e.g. --set grpo.num_generations=8"),
+        ("name.x=1", "--set: name: is not a mapping, cannot set name.x"),
+        ("seed.x=1", "--set: seed: expected int, got dict {'x': 1}"),
+        # a cross-key rule names both the file that set one key and the override that set the other
+        ("grpo.num_generations=3", f"{path} and --set: grpo.per_device_batch_size: per_device_batch_size * "
+         "resources.grpo.num_workers * gradient_accumulation_steps = 8 completions per step must be a multiple of "
+         "num_generations=3"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, [item])
+        assert str(e.value) == message
+
+
+def test_extends_merges_and_blames_the_right_file(tmp_path):
+    base = _write(tmp_path, "name: base\nmodel: {tokenizer: {train: true}, config: {hidden_size: 64, a: 1}}\n"
+                  "sft: {epochs: 3}\n", "base.yaml")
+    child = _write(tmp_path, "extends: base.yaml\nname: child\nmodel: {config: {hidden_size: 32}}\n", "child.yaml")
+    cfg = load_config(child)
+    assert (cfg.name, cfg.sft.epochs, cfg.model.config) == ("child", 3.0, {"hidden_size": 32, "a": 1})
+    base.write_text(base.read_text() + "grpo: {temperature: hot}\n")
+    with pytest.raises(ConfigError, match=rf"^{base}: grpo.temperature: expected float, got str 'hot'$"):
+        load_config(child)
+    _write(tmp_path, "extends: child.yaml\nname: loop\n", "base.yaml")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config(child)
+
+
+def test_resolved_config_is_plain_yaml():
+    cfg = load_config(CONFIGS[0].parent / "tiny.yaml")
+    text = yaml.safe_dump(resolve(cfg))
+    assert config_from_dict(yaml.safe_load(text)) == cfg
+    assert cfg.run_dir == Path("runs/tiny")

@@ -1,0 +1,248 @@
+"""Data layer: generator (determinism, exact answers, disjoint splits), loaders (every source, row-level errors),
+tokenizer (digits, chat template with assistant masks, save/reload)."""
+import json
+import re
+from pathlib import Path
+
+import datasets
+import pytest
+
+from conftest import shared_data_file
+from eval.prompts import build_prompt
+from pipeline.config import DataSource, GeneratorSettings
+from pipeline.data.generator import LEVELS, generate, split_of
+from pipeline.data.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset
+from pipeline.data.tokenizer import CHAT_TEMPLATE, conversation_texts, train_tokenizer
+
+ALL_LEVELS = sorted(LEVELS)
+
+
+# ---------------------------------------------------------------------------------------------------- generator
+
+def test_generator_is_deterministic():
+    assert generate(300, ALL_LEVELS, seed=3) == generate(300, ALL_LEVELS, seed=3)
+    assert generate(300, ALL_LEVELS, seed=3) != generate(300, ALL_LEVELS, seed=4)
+    assert [r["level"] for r in generate(10, [1, 3])] == [1, 3] * 5
+
+
+def test_splits_never_overlap():
+    train = generate(5000, ALL_LEVELS, seed=0, split="train")
+    test = generate(1000, ALL_LEVELS, seed=0, split="test")
+    assert not {r["canonical"] for r in train} & {r["canonical"] for r in test}
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert all(split_of(r["canonical"]) == "test" for r in test)
+
+
+def _check_equation_lines(solution: str):
+    """Every arithmetic line `expr = value` of the teacher's solution is true."""
+    for line in solution.splitlines()[:-1]:
+        parts = [p.strip() for p in line.split("=")]
+        if all(re.fullmatch(r"[-\d +*/]+", p) for p in parts):
+            values = {eval(p) for p in parts}  # noqa: S307 (digits and operators only, checked above)
+            assert len(values) == 1, line
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_teacher_solutions_are_right(level):
+    for row in generate(200, [level], seed=level):
+        solution, answer = row["solution"], row["answer"]
+        assert solution.endswith(f"The answer is \\boxed{{{answer}}}.")
+        _check_equation_lines(solution)
+        x = int(answer)
+        if level in (3, 4):  # substitute the answer into the equation of the problem
+            lhs, rhs = re.fullmatch(r"Solve for x: (.*) = (.*)\.", row["problem"]).groups()
+            assert eval(re.sub(r"(\d)x", r"\1*x", lhs)) == eval(re.sub(r"(\d)x", r"\1*x", rhs))  # noqa: S307
+        if level == 5:
+            s, d = map(int, re.findall(r"\d+", row["problem"]))
+            assert (x, s - x) == ((s + d) // 2, (s - d) // 2)
+
+
+def test_generator_bad_arguments():
+    with pytest.raises(ValueError, match=r"levels must be a non-empty list from \[1, 2, 3, 4, 5\], got \[9\]"):
+        generate(5, [9])
+    with pytest.raises(ValueError, match="split must be 'train' or 'test'"):
+        generate(5, [1], split="validation")
+
+
+# ---------------------------------------------------------------------------------------------------- loaders
+
+def _gen(**kw):
+    return DataSource(source="generator", generator=GeneratorSettings(num_examples=50, levels=[1, 2]), **kw)
+
+
+def test_generator_sources_in_trl_formats():
+    sft = load_sft_dataset(_gen())
+    assert sft.column_names == ["prompt", "completion"] and len(sft) == 50
+    row = generate(1, [1, 2])[0]
+    assert sft[0] == {"prompt": build_prompt(row["problem"]),
+                      "completion": [{"role": "assistant", "content": row["solution"]}]}
+    rl = load_rl_dataset(_gen(split="test", limit=7))
+    assert rl.column_names == ["prompt", "answer", "id"] and len(rl) == 7
+    assert rl[0]["id"] == "gen-test-0-0" and rl[0]["answer"] == generate(1, [1, 2], split="test")[0]["answer"]
+
+
+def test_shared_training_file():
+    ds = load_rl_dataset(DataSource(source=str(shared_data_file("train_math_aime.jsonl"))))
+    assert len(ds) == 8442 and ds.column_names == ["prompt", "answer", "id"]
+    assert all(a.strip() for a in ds["answer"]) and len(set(ds["id"])) == len(ds)
+    assert ds[0]["prompt"][0]["role"] == "user" and "\\boxed{}" in ds[0]["prompt"][0]["content"]
+
+
+def test_shared_eval_file():
+    path = shared_data_file("math500.jsonl")
+    ds = load_rl_dataset(DataSource(source=str(path)))
+    first = json.loads(path.read_text().splitlines()[0])
+    assert len(ds) == 500
+    assert ds[0] == {"prompt": build_prompt(first["problem"]), "answer": first["answer"], "id": first["id"]}
+    # solutions make it an SFT source too
+    assert load_sft_dataset(DataSource(source=str(path), limit=3))[0]["completion"][0]["content"] == first["solution"]
+
+
+ROWS = [
+    {"id": "a", "problem": "What is 1+1?", "answer": "2", "solution": "1+1=2, \\boxed{2}",
+     "chat": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "\\boxed{2}"}]},
+    {"id": None, "problem": "What is 2+2?", "answer": "4", "solution": "\\boxed{4}",  # no id
+     "chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": "4"}]},
+]
+
+
+def test_hugging_face_path_offline(tmp_path, monkeypatch):
+    """A local dataset directory goes through `datasets.load_dataset`, the same code path as a hub id."""
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(ROWS).to_parquet(tmp_path / "ds" / "data" / "test-00000-of-00001.parquet")
+    calls = []
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    src = str(tmp_path / "ds")
+    rl = load_rl_dataset(DataSource(source=src, split="test"))
+    assert calls == [((src, None), {"split": "test"})]
+    assert rl["answer"] == ["2", "4"] and rl["id"] == ["a", "ds-2"]
+    sft = load_sft_dataset(DataSource(source=src, split="test", messages_field="chat", limit=2))
+    assert sft[1] == {"prompt": ROWS[1]["chat"][:2], "completion": ROWS[1]["chat"][2:]}
+    with pytest.raises(DataError, match=rf"^{src} \(split train\): cannot load dataset: ValueError: .*split"):
+        load_rl_dataset(DataSource(source=src, split="train"))
+    bad = tmp_path / "bad" / "data"
+    bad.mkdir(parents=True)
+    datasets.Dataset.from_list([ROWS[0], {**ROWS[0], "problem": " "}]).to_parquet(bad / "test-0.parquet")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'bad'} \(split test\): row 2: problem: empty$"):
+        load_rl_dataset(DataSource(source=str(tmp_path / "bad"), split="test"))
+
+
+def test_parquet_file(tmp_path):
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(path)
+    assert load_rl_dataset(DataSource(source=str(path)))["id"] == ["a", "rows-2"]
+    assert len(load_sft_dataset(DataSource(source=str(path), limit=1))) == 1
+
+
+def _jsonl(tmp_path, *lines: bytes) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+GOOD = json.dumps({"id": "ok", "problem": "What is 1+1?", "answer": "2"}).encode()
+MALFORMED = [
+    ("missing answer", json.dumps({"id": "x", "problem": "p"}).encode(), "row 3: answer: missing (row has id, problem)"),
+    ("null answer", json.dumps({"problem": "p", "answer": None}).encode(), "row 3: answer: missing (row has problem, answer)"),
+    ("float answer", json.dumps({"problem": "p", "answer": 2.5}).encode(), "row 3: answer: expected a string, got float 2.5"),
+    ("list problem", json.dumps({"problem": [1, 2], "answer": "3"}).encode(),
+     "row 3: problem[0]: expected {role: system|user|assistant, content: str}, got int 1"),
+    ("int problem", json.dumps({"problem": 7, "answer": "3"}).encode(), "row 3: problem: expected a string, got int 7"),
+    ("empty problem", json.dumps({"problem": "  \n", "answer": "3"}).encode(), "row 3: problem: empty"),
+    ("bad id", json.dumps({"id": [1], "problem": "p", "answer": "3"}).encode(),
+     "row 3: id: expected a string or integer, got list [1]"),
+    ("non-UTF-8", b'{"problem": "caf\xe9", "answer": "1"}', "row 3: not valid UTF-8 (byte 0xe9 at column 17)"),
+    ("invalid JSON", b'{"problem": "p", "answer": }', "row 3: invalid JSON: Expecting value at column 28"),
+    ("not an object", b'["p", "1"]', "row 3: expected a JSON object, got list ['p', '1']"),
+]
+
+
+@pytest.mark.parametrize("case,line,message", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_rl_rows(tmp_path, case, line, message):
+    path = _jsonl(tmp_path, GOOD, b"", line)  # the blank line still counts: rows are numbered by line
+    with pytest.raises(DataError) as e:
+        load_rl_dataset(DataSource(source=str(path)))
+    assert str(e.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("row,field,message", [
+    ({"problem": "p"}, "solution", "row 1: solution: missing (row has problem)"),
+    ({"chat": [{"role": "user", "content": "p"}]}, "chat",
+     "row 1: chat: expected turns ending with an assistant turn, got roles ['user']"),
+    ({"chat": [{"role": "user", "content": "p"}, {"role": "bot", "content": "a"}]}, "chat",
+     "row 1: chat[1]: expected {role: system|user|assistant, content: str}, got dict {'role': 'bot', 'content': 'a'}"),
+    ({"chat": [{"role": "user", "content": "p"}, {"role": "assistant", "content": ""}]}, "chat",
+     "row 1: chat[1].content: empty"),
+])
+def test_malformed_sft_rows(tmp_path, row, field, message):
+    path = _jsonl(tmp_path, json.dumps(row).encode())
+    src = DataSource(source=str(path), messages_field=field if field == "chat" else None)
+    with pytest.raises(DataError) as e:
+        load_sft_dataset(src)
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_integer_answers_and_chat_prompts_are_kept(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    path = _jsonl(tmp_path, json.dumps({"id": 7, "problem": chat, "answer": 4}).encode())
+    assert load_rl_dataset(DataSource(source=str(path)))[0] == {"prompt": chat, "answer": "4", "id": "7"}
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match=r"nope.jsonl: no such file$"):
+        load_rl_dataset(DataSource(source=str(tmp_path / "nope.jsonl")))
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(conversation_texts(load_sft_dataset(_gen())), vocab_size=512)
+
+
+def test_digits_are_single_tokens(tokenizer):
+    tokens = tokenizer.tokenize("Ann has 1234 pens: 56 + 7 = 63")
+    assert [t for t in tokens if any(c.isdigit() for c in t)] == list("1234567" + "63")
+    assert len(tokenizer) <= 512
+
+
+def test_chat_template_masks_the_assistant_turn(tokenizer):
+    row = load_sft_dataset(_gen())[0]
+    messages = row["prompt"] + row["completion"]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    # The prompt with the generation prompt is a token prefix of prompt + completion (TRL's completion mask) ...
+    assert ids[:len(prompt_ids)] == prompt_ids
+    # ... and the assistant mask covers exactly the completion and its end-of-turn token (the model learns to stop).
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert tokenizer.decode(trained) == row["completion"][0]["content"] + tokenizer.eos_token
+    assert ids[len(prompt_ids):][:len(trained)] == trained
+
+
+def test_tokenizer_round_trips_through_save_pretrained(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "Solve for x: 3x - 4 = 11.\nPlease reason step by step. \\boxed{5} é"
+    assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text
+    assert loaded.chat_template == CHAT_TEMPLATE
+    assert (loaded.eos_token, loaded.pad_token, loaded.bos_token) == ("<|im_end|>", "<|pad|>", "<|endoftext|>")
+
+
+def test_filter_long_prompts(tokenizer):
+    ds = load_rl_dataset(_gen(limit=20))
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in ds["prompt"]]
+    limit = sorted(lengths)[10]
+    kept, skipped = filter_long_prompts(ds, tokenizer, limit, "skip")
+    assert skipped == sum(n > limit for n in lengths) and len(kept) == 20 - skipped
+    first = next(i for i, n in enumerate(lengths) if n > limit)
+    with pytest.raises(DataError, match=rf"^prompt '{ds[first]['id']}': {lengths[first]} tokens, over "
+                                        rf"max_prompt_length={limit} \({skipped} prompts in all"):
+        filter_long_prompts(ds, tokenizer, limit, "error")
