@@ -148,7 +148,7 @@ class GRPOSettings:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     mask_truncated_completions: bool = False
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="accuracy")])
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="math_accuracy")])
     gradient_checkpointing: bool = False
     save_steps: int = 50
     logging_steps: int = 1

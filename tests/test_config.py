@@ -28,6 +28,14 @@ def test_shipped_model_config_builds(path):
         SSEConfig(vocab_size=512, **settings)
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_rewards_are_registered(path):
+    from rewards import get_reward
+
+    for spec in load_config(path).grpo.rewards:
+        get_reward(spec.name)
+
+
 def test_shipped_set_is_complete():
     assert {p.name for p in CONFIGS} >= {"tiny.yaml", "tiny_gla.yaml", "tiny_transformer.yaml", "sse_h_2b.yaml",
                                          "convert_qwen3_1p7b.yaml"}
@@ -65,9 +73,9 @@ BAD = [
     ("sft: {zzz: 1}", "sft.zzz: unknown key (valid: epochs, learning_rate, lr_scheduler, warmup_ratio, "
      "per_device_batch_size, gradient_accumulation_steps, max_length, packing, padding_free, "
      "gradient_checkpointing, weight_decay, max_grad_norm, save_steps, logging_steps, max_steps)"),
-    ("grpo: {rewards: [{name: accuracy, weight: high}]}", "grpo.rewards[0].weight: expected float, got str 'high'"),
+    ("grpo: {rewards: [{name: math_accuracy, weight: high}]}", "grpo.rewards[0].weight: expected float, got str 'high'"),
     ("grpo: {rewards: [{weight: 1.0}]}", "grpo.rewards[0].name: missing required key"),
-    ("grpo: {rewards: accuracy}", "grpo.rewards: expected list of mapping, got str 'accuracy'"),
+    ("grpo: {rewards: math_accuracy}", "grpo.rewards: expected list of mapping, got str 'math_accuracy'"),
     ("model: {path: 3}", "model.path: expected str or null, got int 3"),
     ("grpo: {loss_type: dapoo}", "grpo.loss_type: expected one of 'grpo', 'dr_grpo', 'dapo', 'bnpo', 'cispo', "
      "'sapo', 'luspo', 'vespo', got str 'dapoo' (did you mean 'dapo'?)"),
