@@ -73,7 +73,8 @@ BAD = [
     ("sft: {zzz: 1}", "sft.zzz: unknown key (valid: epochs, learning_rate, lr_scheduler, warmup_ratio, "
      "per_device_batch_size, gradient_accumulation_steps, max_length, packing, padding_free, "
      "gradient_checkpointing, weight_decay, max_grad_norm, save_steps, logging_steps, max_steps)"),
-    ("grpo: {rewards: [{name: math_accuracy, weight: high}]}", "grpo.rewards[0].weight: expected float, got str 'high'"),
+    ("grpo: {rewards: [{name: math_accuracy, weight: high}]}",
+     "grpo.rewards[0].weight: expected float, got str 'high'"),
     ("grpo: {rewards: [{weight: 1.0}]}", "grpo.rewards[0].name: missing required key"),
     ("grpo: {rewards: math_accuracy}", "grpo.rewards: expected list of mapping, got str 'math_accuracy'"),
     ("model: {path: 3}", "model.path: expected str or null, got int 3"),
@@ -129,8 +130,8 @@ def test_scientific_notation_is_a_float(tmp_path):
 
 def test_overrides(tmp_path):
     path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}, config: {hidden_size: 128}}\n")
-    cfg = load_config(path, ["grpo.num_generations=4", "data.eval=[math500, aime24]", "model.config.num_hidden_layers=2",
-                             "ray.address=auto", "model.path=null"])
+    cfg = load_config(path, ["grpo.num_generations=4", "data.eval=[math500, aime24]",
+                             "model.config.num_hidden_layers=2", "ray.address=auto", "model.path=null"])
     assert cfg.grpo.num_generations == 4
     assert cfg.data.eval == ["math500", "aime24"]
     assert cfg.model.config == {"hidden_size": 128, "num_hidden_layers": 2}

@@ -144,9 +144,12 @@ def _jsonl(tmp_path, *lines: bytes) -> Path:
 
 GOOD = json.dumps({"id": "ok", "problem": "What is 1+1?", "answer": "2"}).encode()
 MALFORMED = [
-    ("missing answer", json.dumps({"id": "x", "problem": "p"}).encode(), "row 3: answer: missing (row has id, problem)"),
-    ("null answer", json.dumps({"problem": "p", "answer": None}).encode(), "row 3: answer: missing (row has problem, answer)"),
-    ("float answer", json.dumps({"problem": "p", "answer": 2.5}).encode(), "row 3: answer: expected a string, got float 2.5"),
+    ("missing answer", json.dumps({"id": "x", "problem": "p"}).encode(),
+     "row 3: answer: missing (row has id, problem)"),
+    ("null answer", json.dumps({"problem": "p", "answer": None}).encode(),
+     "row 3: answer: missing (row has problem, answer)"),
+    ("float answer", json.dumps({"problem": "p", "answer": 2.5}).encode(),
+     "row 3: answer: expected a string, got float 2.5"),
     ("list problem", json.dumps({"problem": [1, 2], "answer": "3"}).encode(),
      "row 3: problem[0]: expected {role: system|user|assistant, content: str}, got int 1"),
     ("int problem", json.dumps({"problem": 7, "answer": "3"}).encode(), "row 3: problem: expected a string, got int 7"),

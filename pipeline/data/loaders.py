@@ -21,7 +21,8 @@ from pipeline.data.generator import generate
 ROLES = ("system", "user", "assistant")
 _MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
 SFT_FEATURES = datasets.Features({"prompt": _MESSAGES, "completion": _MESSAGES})
-RL_FEATURES = datasets.Features({"prompt": _MESSAGES, "answer": datasets.Value("string"), "id": datasets.Value("string")})
+RL_FEATURES = datasets.Features(
+    {"prompt": _MESSAGES, "answer": datasets.Value("string"), "id": datasets.Value("string")})
 
 
 class DataError(ValueError):
@@ -64,8 +65,7 @@ def filter_long_prompts(dataset: datasets.Dataset, tokenizer, max_length: int, m
     if mode == "error" and len(keep) < len(lengths):
         first = next(i for i, n in enumerate(lengths) if n > max_length)
         raise DataError(f"prompt {dataset[first]['id']!r}: {lengths[first]} tokens, over max_prompt_length="
-                        f"{max_length} ({len(lengths) - len(keep)} prompts in all; set long_prompts: skip to drop "
-                        "them)")
+                        f"{max_length} ({len(lengths) - len(keep)} prompts in all; grpo.long_prompts: skip drops them)")
     return dataset.select(keep), len(lengths) - len(keep)
 
 
@@ -173,7 +173,7 @@ def _label(src: DataSource) -> str:
         return f"generator[{src.split}]"
     if _is_file(src.source):
         return src.source
-    return f"{src.source}" + (f"[{src.subset}]" if src.subset else "") + f" (split {src.split})"
+    return src.source + (f"[{src.subset}]" if src.subset else "") + f" (split {src.split})"
 
 
 def _read_file(path: Path, src: DataSource):
