@@ -34,7 +34,7 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
     if layout == "varlen":
         idx, pos, gla_cu = route_varlen(e, bounds, top_k, shared)
         part = idx if not shared else torch.cat([idx, idx.new_full((L, 1), N)], 1)
-        gla_shape = (1, L * (top_k + shared), H)
+        gla_shape, state_shape = (1, L * (top_k + shared), H), (num_segments * P, H, c, dv)
     else:
         idx = route_topk(e, top_k)
         part = torch.full((L, P), -1, dtype=torch.int32, device=device)
@@ -42,7 +42,7 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
         if shared:
             part[:, N] = N
         pos = torch.arange(L * P, dtype=torch.int32, device=device).view(L, P)
-        gla_cu, gla_shape = cu_seqlens, (B, T, P * H)
+        gla_cu, gla_shape, state_shape = cu_seqlens, (B, T, P * H), (num_segments, P * H, c, dv)
 
     flat = lambda x: None if x is None else x.reshape(L, H, -1)  # noqa: E731
     rows = expand(*map(flat, (q, k_logits, v, log_decay)), e, flat(q_shared), flat(k_shared_logits), part, pos,
@@ -50,8 +50,7 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
     q_rows, k_rows, v_rows, g_rows = (x.view(*gla_shape, -1) for x in rows)
     h0 = None
     if initial_state is not None:  # [S, H, P, c, dv] -> [S, P, H, c, dv], viewed as the GLA wants it
-        h0 = initial_state.float().transpose(1, 2).reshape(num_segments * P, H, c, dv)
-        h0 = h0.view(num_segments, P * H, c, dv) if layout == "mask" else h0
+        h0 = initial_state.float().transpose(1, 2).contiguous().view(state_shape)
     o_rows, final = gla(q_rows, k_rows, v_rows, g_rows, scale=scale, initial_state=h0,
                         output_final_state=output_final_state, cu_seqlens=gla_cu)
     o = collect(o_rows.reshape(-1, H, dv), pos, v.dtype).view(B, T, H, dv)

@@ -1,0 +1,236 @@
+"""GPU benchmarks of the SSE Triton paths, side by side in one run: `python -m kernels.bench` (needs CUDA + fla).
+
+Medians of `triton.testing.do_bench` (CUDA events), bf16 activations, H = 16, c = d_v = 128, batch 1:
+1. training op forward+backward vs T: SSE (N = 4, K = 1 + shared) varlen and mask, plain GLA (fla `chunk_gla`,
+   the linear-attention floor) and causal SDPA (FlashAttention backend);
+2. SSE vs N at K = 1 + shared (T = 16k): the varlen path should stay flat, the mask path grows with N + 1;
+3. where the varlen time goes at T = 64k: routing, gather, the GLA core on the gathered rows, the rest;
+4. decode step for batch 1..1024 (N = 4, K = 1 + shared): bytes = each touched state read and written once,
+   as a fraction of the measured device copy bandwidth; next to it a softmax-attention decode step (SDPA, one
+   query) over KV caches of 4k, 32k, 128k tokens.
+Writes bench/results/sse_gpu_<date>.json and .md (or under --out) with the device name and date.
+"""
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from kernels.triton import chunk, sse_decode_triton
+from kernels.triton.expand import expand
+from kernels.triton.routing import route_varlen
+
+H, C, DV = 16, 128, 128
+BF16 = torch.bfloat16
+
+
+def median_ms(fn, grad_to_none=None):
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def free():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def sse_inputs(T, N):
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
+    return dict(q=x(1, T, H, C), k_logits=x(1, T, H, C), v=x(1, T, H, DV),
+                log_decay=(F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).to(BF16).requires_grad_(),
+                router_logits=torch.randn(1, T, N, device="cuda").requires_grad_(), q_shared=x(1, T, H, C),
+                k_shared_logits=x(1, T, H, C))
+
+
+def time_sse(fn, T, N, K=1):
+    ins = sse_inputs(T, N)
+    do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
+
+    def step():
+        o, _ = fn(**ins, top_k=K)
+        o.backward(do)
+    ms = median_ms(step, grad_to_none=list(ins.values()))
+    del ins
+    free()
+    return ms
+
+
+def time_gla(T):
+    from fla.ops.gla import chunk_gla
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
+    q, k, v = x(1, T, H, C), x(1, T, H, C), x(1, T, H, DV)
+    g = (F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).requires_grad_()
+    do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
+
+    def step():
+        o, _ = chunk_gla(q, k, v, g)
+        o.backward(do)
+    ms = median_ms(step, grad_to_none=[q, k, v, g])
+    free()
+    return ms
+
+
+def time_sdpa(T):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    x = lambda: torch.randn(1, H, T, C, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
+    q, k, v = x(), x(), x()
+    do = torch.randn(1, H, T, C, device="cuda", dtype=BF16)
+
+    def step():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    ms = median_ms(step, grad_to_none=[q, k, v])
+    free()
+    return ms
+
+
+def training_vs_T(lengths):
+    rows = []
+    for T in lengths:
+        row = {"T": T, "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, 4),
+               "sse_mask_ms": time_sse(chunk.sse_triton_mask, T, 4), "gla_ms": time_gla(T),
+               "sdpa_flash_ms": time_sdpa(T)}
+        row["varlen_over_gla"] = row["sse_varlen_ms"] / row["gla_ms"]
+        row["sdpa_over_varlen"] = row["sdpa_flash_ms"] / row["sse_varlen_ms"]
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def scaling_with_N(T, partitions):
+    rows = []
+    for N in partitions:
+        row = {"N": N, "T": T, "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, N),
+               "sse_mask_ms": time_sse(chunk.sse_triton_mask, T, N)}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def varlen_breakdown(T, N=4, K=1):
+    """Time of each stage of the varlen forward, and of the GLA core alone (fwd+bwd) on the gathered rows."""
+    from fla.ops.gla import chunk_gla
+    ins = sse_inputs(T, N)
+    e = ins["router_logits"].reshape(T, N)
+    bounds = torch.tensor([0, T], device="cuda")
+    idx, pos, cu = route_varlen(e, bounds, K, True)
+    part = torch.cat([idx, idx.new_full((T, 1), N)], 1)
+    flat = {n: x.reshape(T, H, -1) for n, x in ins.items() if n != "router_logits"}
+    args = (flat["q"], flat["k_logits"], flat["v"], flat["log_decay"], e, flat["q_shared"],
+            flat["k_shared_logits"], part, pos, pos.numel(), None)
+    with torch.no_grad():
+        rows = [x.detach().view(1, pos.numel(), H, -1).requires_grad_() for x in expand(*args)]
+    do = torch.randn(1, pos.numel(), H, DV, device="cuda", dtype=BF16)
+
+    def core():
+        o, _ = chunk_gla(*rows, cu_seqlens=cu)
+        o.backward(do)
+    out = {"T": T, "route_ms": median_ms(lambda: route_varlen(e, bounds, K, True)),
+           "gather_fwd_ms": median_ms(lambda: expand(*args)),
+           "gla_core_rows_fwd_bwd_ms": median_ms(core, grad_to_none=rows)}
+    out["sse_varlen_fwd_bwd_ms"] = time_sse(chunk.sse_triton_varlen, T, N, K)
+    out["ours_ms"] = out["sse_varlen_fwd_bwd_ms"] - out["gla_core_rows_fwd_bwd_ms"]
+    print(out, flush=True)
+    del ins, rows
+    free()
+    return out
+
+
+def copy_bandwidth():
+    x = torch.empty(2 * 1024**3 // 4, device="cuda", dtype=torch.float32).normal_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    del x, y
+    free()
+    return 2 * 2 * 1024**3 / (ms * 1e-3)  # bytes read + written per second
+
+
+def decode(batches, copy_bw, N=4, K=1):
+    rows = []
+    for B in batches:
+        x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16)  # noqa: E731
+        step = dict(q=x(B, H, C), k_logits=x(B, H, C), v=x(B, H, DV),
+                    log_decay=(F.logsigmoid(torch.randn(B, H, C, device="cuda")) / 16).to(BF16),
+                    router_logits=torch.randn(B, N, device="cuda"), q_shared=x(B, H, C), k_shared_logits=x(B, H, C))
+        cache = torch.randn(B, H, N + 1, C, DV, device="cuda")
+        slots = torch.randperm(B, device="cuda")
+        ms = median_ms(lambda: sse_decode_triton(cache, slots, **step, top_k=K))
+        moved = 2 * B * (K + 1) * H * C * DV * 4  # touched states, read + written
+        row = {"batch": B, "sse_decode_ms": ms, "state_GB_per_s": moved / (ms * 1e-3) / 1e9,
+               "fraction_of_copy_bw": moved / (ms * 1e-3) / copy_bw}
+        del cache
+        free()
+        for L in (4096, 32768, 131072):
+            if B * L * H * C * 2 * 2 > 40 * 1024**3:  # KV cache over 40 GB: skip
+                continue
+            q = x(B, H, 1, C)
+            k, v = x(B, H, L, C), x(B, H, L, C)
+            row[f"attn_decode_kv{L // 1024}k_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            del k, v
+            free()
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def markdown(result):
+    lines = [f"# SSE GPU benchmark, {result['device']}, {result['date']}", "",
+             f"torch {result['torch']}, triton {result['triton']}, fla {result['fla']}; bf16, H = 16, "
+             f"c = d_v = 128, batch 1; medians of triton.testing.do_bench. Copy bandwidth "
+             f"{result['copy_bandwidth_GB_per_s']:.0f} GB/s (read + write).", "",
+             "## Training op, forward + backward, N = 4, K = 1 + shared", "",
+             "| T | SSE varlen ms | SSE mask ms | GLA (fla) ms | SDPA flash ms | varlen / GLA | SDPA / varlen |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["training"]:
+        lines.append(f"| {r['T']} | {r['sse_varlen_ms']:.2f} | {r['sse_mask_ms']:.2f} | {r['gla_ms']:.2f} | "
+                     f"{r['sdpa_flash_ms']:.2f} | {r['varlen_over_gla']:.2f} | {r['sdpa_over_varlen']:.1f} |")
+    lines += ["", f"## SSE vs N, K = 1 + shared, T = {result['scaling_N'][0]['T']}", "",
+              "| N | SSE varlen ms | SSE mask ms |", "| --- | --- | --- |"]
+    lines += [f"| {r['N']} | {r['sse_varlen_ms']:.2f} | {r['sse_mask_ms']:.2f} |" for r in result["scaling_N"]]
+    b = result["varlen_breakdown"]
+    lines += ["", f"## Varlen breakdown, T = {b['T']}", "",
+              f"routing {b['route_ms']:.2f} ms, gather forward {b['gather_fwd_ms']:.2f} ms, GLA core on the "
+              f"gathered rows fwd+bwd {b['gla_core_rows_fwd_bwd_ms']:.2f} ms, whole op {b['sse_varlen_fwd_bwd_ms']:.2f}"
+              f" ms: ours (routing, gather/scatter, backward) {b['ours_ms']:.2f} ms."]
+    kv = sorted({k for r in result["decode"] for k in r if k.startswith("attn_decode")},
+                key=lambda k: int(k.split("kv")[1].split("k")[0]))
+    lines += ["", "## Decode step, N = 4, K = 1 + shared", "",
+              "| batch | SSE ms | state GB/s | of copy bw | " + " | ".join(
+                  f"softmax attn KV {k.split('kv')[1].split('_')[0]} ms" for k in kv) + " |",
+              "| --- | --- | --- | --- |" + " --- |" * len(kv)]
+    for r in result["decode"]:
+        lines.append(f"| {r['batch']} | {r['sse_decode_ms']:.3f} | {r['state_GB_per_s']:.0f} | "
+                     f"{r['fraction_of_copy_bw']:.0%} | " + " | ".join(
+                         f"{r[k]:.3f}" if k in r else "-" for k in kv) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--lengths", default="1024,4096,16384,65536,131072")
+    args = parser.parse_args()
+    import fla
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "triton": triton.__version__, "fla": fla.__version__,
+              "copy_bandwidth_GB_per_s": bw / 1e9}
+    print(result, flush=True)
+    result["training"] = training_vs_T([int(t) for t in args.lengths.split(",")])
+    result["scaling_N"] = scaling_with_N(16384, [1, 2, 4, 8, 16])
+    result["varlen_breakdown"] = varlen_breakdown(65536)
+    result["decode"] = decode([1, 64, 256, 1024], bw)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"sse_gpu_{result['date']}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

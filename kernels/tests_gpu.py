@@ -1,0 +1,207 @@
+"""GPU correctness of every SSE Triton path at real shapes: `python -m kernels.tests_gpu` (needs CUDA and fla).
+
+Training paths (triton_varlen, triton_mask), forward and every gradient, float32 and bfloat16 activations, for
+H = 16, c = d_v = 128 and (N = 4, K = 1 + shared), (N = 8, K = 2 + shared):
+- a varlen batch with T = 1, empty, short and ~1k-token segments with initial states, against the float64
+  recurrent reference `sse_reference` on the GPU;
+- one 32k-token sequence against the torch chunked path `chunk_torch_varlen` in float64 on the GPU (the token
+  loop is too slow there); that path is itself tested against the reference in tests/test_sse_operator.py.
+Decode (`sse_decode_triton`) against the reference for bf16/fp16/fp32 activations with skipped slots, plus a
+CUDA-graph capture and replay. Router logits are float32 (bf16 ties would make top-K ambiguous).
+Prints one line per check with relative errors ||x - ref|| / ||ref|| and exits non-zero if any check fails.
+`--smoke` runs the same code on tiny shapes on CPU (TRITON_INTERPRET=1, torch GLA core) to test the script.
+"""
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2, torch.float16: 1e-2}  # fla computes float32 dots as tf32
+failures = []
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def report(name, errors, tol):
+    worst = max(errors.values())
+    ok = worst < tol
+    if not ok:
+        failures.append(name)
+    print(f"{'ok  ' if ok else 'FAIL'} {name:58s} max {worst:.1e}  " +
+          " ".join(f"{k}={v:.1e}" for k, v in errors.items()), flush=True)
+
+
+def make_inputs(T, H, c, dv, N, segments, dtype, device):
+    x = lambda *s: torch.randn(*s, device=device).to(dtype).requires_grad_()  # noqa: E731
+    log_decay = torch.nn.functional.logsigmoid(torch.randn(1, T, H, c, device=device) * 2) / 16
+    return dict(q=x(1, T, H, c), k_logits=x(1, T, H, c), v=x(1, T, H, dv),
+                log_decay=log_decay.to(dtype).requires_grad_(),
+                router_logits=torch.randn(1, T, N, device=device).requires_grad_(),
+                q_shared=x(1, T, H, c), k_shared_logits=x(1, T, H, c),
+                initial_state=torch.randn(segments, H, N + 1, c, dv, device=device).requires_grad_())
+
+
+def forward_backward(fn, ins, cotangents, **kw):
+    """Outputs and gradients of sum(o * do) + sum(final * dfinal) w.r.t. every input."""
+    o, final = fn(**ins, **kw, output_final_state=True)
+    do, dfinal = cotangents
+    loss = (o.double() * do).sum() + (final.double() * dfinal).sum()
+    grads = torch.autograd.grad(loss, list(ins.values()))
+    return {"o": o.detach(), "final": final.detach()} | {f"d_{n}": g for n, g in zip(ins, grads)}
+
+
+def torch_f64_by_heads(ins, cotangents, head_group, **kw):
+    """chunk_torch_varlen in float64, a few heads at a time to bound memory (heads only meet in the router)."""
+    from kernels.sse import sse_chunk_varlen
+    H = ins["q"].shape[2]
+    leaves = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
+    outs = {"o": [], "final": []}
+    for h in range(0, H, head_group):
+        part = {n: x[:, :, h:h + head_group] if x.dim() == 4 and n != "router_logits" else x
+                for n, x in leaves.items()}
+        part["initial_state"] = leaves["initial_state"][:, h:h + head_group]
+        o, final = sse_chunk_varlen(**part, **kw, output_final_state=True)
+        do, dfinal = cotangents[0][:, :, h:h + head_group], cotangents[1][:, h:h + head_group]
+        ((o * do).sum() + (final * dfinal).sum()).backward()
+        outs["o"].append(o.detach())
+        outs["final"].append(final.detach())
+    return {"o": torch.cat(outs["o"], 2), "final": torch.cat(outs["final"], 1)} | {
+        f"d_{n}": x.grad for n, x in leaves.items()}
+
+
+def check_training(impls, dtypes, lengths_short, long_T, H, c, dv, device, head_group):
+    from kernels.sse import sse_reference
+    configs = [(4, 1, None, True), (8, 2, None, True), (4, 1, c // 4, False)]  # N, K, row_topk, also long T
+    for N, K, row_topk, with_long in configs:
+        for dtype in dtypes:
+            cases = [("varlen batch", lengths_short)] + ([(f"T={long_T}", [long_T])] if with_long else [])
+            for label, lens in cases:
+                cu = torch.tensor([0] + lens, device=device).cumsum(0)
+                T = int(cu[-1])
+                ins = make_inputs(T, H, c, dv, N, len(lens), dtype, device)
+                kw = dict(top_k=K, cu_seqlens=cu, row_topk=row_topk)
+                cot = (torch.randn(1, T, H, dv, device=device, dtype=torch.float64),
+                       torch.randn(len(lens), H, N + 1, c, dv, device=device, dtype=torch.float64))
+                if label == "varlen batch":
+                    f64 = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
+                    ref = forward_backward(sse_reference, f64, cot, **kw)
+                    against = "reference f64"
+                else:
+                    ref = torch_f64_by_heads(ins, cot, head_group, **kw)
+                    against = "chunk_torch_varlen f64"
+                for impl_name, impl in impls.items():
+                    got = forward_backward(impl, ins, cot, **kw)
+                    errors = {n: rel(got[n], ref[n]) for n in ref}
+                    sparse = f" r={row_topk}" if row_topk else ""
+                    report(f"{impl_name} N={N} K={K}+s{sparse} {str(dtype)[6:]} {label} vs {against}", errors,
+                           TOL[dtype])
+                del ref, ins
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def check_decode(H, c, dv, device, dtypes):
+    from kernels.sse import sse_reference
+    from kernels.triton import sse_decode_triton
+    for N, K in ((4, 1), (8, 2)):
+        for dtype in dtypes:
+            for row_topk in (None, 16):
+                slots = torch.tensor([5, -1, 0, 17, 9, -1, 31, 2], device=device)
+                B, P = len(slots), N + 1
+                x = lambda *s: torch.randn(*s, device=device).to(dtype)  # noqa: E731
+                step = dict(q=x(B, H, c), k_logits=x(B, H, c), v=x(B, H, dv),
+                            log_decay=(torch.nn.functional.logsigmoid(x(B, H, c).float()) / 16).to(dtype),
+                            router_logits=torch.randn(B, N, device=device), q_shared=x(B, H, c),
+                            k_shared_logits=x(B, H, c))
+                state = torch.randn(32, H, P, c, dv, device=device)
+                cache = state.clone()
+                o = sse_decode_triton(cache, slots, **step, top_k=K, row_topk=row_topk)
+                live = slots >= 0
+                ref_o, ref_state = sse_reference(**{n: v[live][:, None] for n, v in step.items()}, top_k=K,
+                                                 row_topk=row_topk, initial_state=state[slots[live]],
+                                                 output_final_state=True)
+                untouched = torch.ones(32, dtype=torch.bool, device=device)
+                untouched[slots[live]] = False
+                errors = {"o": rel(o[live], ref_o[:, 0]), "state": rel(cache[slots[live]], ref_state),
+                          "skipped_o": float(o[~live].abs().max()),
+                          "other_slots": float((cache[untouched] - state[untouched]).abs().max())}
+                report(f"decode N={N} K={K}+s {str(dtype)[6:]} row_topk={row_topk}", errors,
+                       TOL[dtype] if dtype != torch.float32 else 1e-5)
+    if device == "cuda":
+        check_decode_graph(H, c, dv)
+
+
+def check_decode_graph(H, c, dv):
+    """Capture one decode step in a CUDA graph, replay it on new inputs, compare with the torch step."""
+    from kernels.sse import sse_decode_torch
+    from kernels.triton import sse_decode_triton
+    N, K, B = 4, 1, 64
+    make = lambda: dict(q=torch.randn(B, H, c, device="cuda", dtype=torch.bfloat16),  # noqa: E731
+                        k_logits=torch.randn(B, H, c, device="cuda", dtype=torch.bfloat16),
+                        v=torch.randn(B, H, dv, device="cuda", dtype=torch.bfloat16),
+                        log_decay=-torch.rand(B, H, c, device="cuda", dtype=torch.bfloat16) / 16,
+                        router_logits=torch.randn(B, N, device="cuda"),
+                        q_shared=torch.randn(B, H, c, device="cuda", dtype=torch.bfloat16),
+                        k_shared_logits=torch.randn(B, H, c, device="cuda", dtype=torch.bfloat16))
+    static, slots = make(), torch.randperm(2 * B, device="cuda")[:B]
+    slots[::7] = -1
+    cache = torch.randn(2 * B, H, N + 1, c, dv, device="cuda")
+    step = functools.partial(sse_decode_triton, top_k=K)
+    step(cache.clone(), slots, **static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(cache, slots, **static)
+    fresh = make()
+    for n in static:
+        static[n].copy_(fresh[n])
+    expect_cache = cache.clone()
+    expect = sse_decode_torch(expect_cache, slots, **fresh, top_k=K)
+    graph.replay()
+    torch.cuda.synchronize()
+    report("decode CUDA graph replay vs torch step (bf16)",
+           {"o": rel(out, expect), "state": rel(cache, expect_cache)}, 1e-2)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        from kernels.gla import chunk_gla_torch
+        from kernels.triton import chunk
+        gla = dict(gla=chunk_gla_torch)
+        shapes = dict(H=2, c=16, dv=16, device="cpu")
+        lengths_short, long_T, dtypes, head_group = [1, 0, 5, 9], 40, [torch.float32], 1
+    else:
+        from kernels.triton import chunk
+        gla = {}
+        shapes = dict(H=16, c=128, dv=128, device="cuda")
+        lengths_short, long_T, head_group = [1, 0, 37, 64, 300, 1000], 32768, 4
+        dtypes = [torch.float32, torch.bfloat16]
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+        from kernels.dispatch import pick_implementation
+        print(f"auto picks: {pick_implementation(torch.device('cuda'), 1 << 16)} at 64k tokens, "
+              f"{pick_implementation(torch.device('cuda'), 1 << 10)} at 1k tokens")
+    impls = {"triton_varlen": functools.partial(chunk.sse_triton_varlen, **gla),
+             "triton_mask": functools.partial(chunk.sse_triton_mask, **gla)}
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    check_training(impls, dtypes, lengths_short, long_T, head_group=head_group, **shapes)
+    check_decode(shapes["H"], shapes["c"], shapes["dv"], shapes["device"],
+                 [torch.float32, torch.bfloat16, torch.float16])
+    print(f"{len(failures)} failed: {failures}" if failures else "all checks passed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
