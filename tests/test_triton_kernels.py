@@ -163,26 +163,28 @@ def check_decode():
     from kernels import sse_decode
     from kernels.sse import sse_reference
     H, c = 2, 16
-    cases = [  # dv, N, K, shared, row_topk, dtype
-        (8, 4, 1, True, None, torch.float32),
-        (40, 8, 2, True, 5, torch.bfloat16),   # d_v over one column block and not a power of two
-        (8, 3, 3, False, None, torch.float16), # K = N, no shared partition
-        (8, 1, 1, False, 4, torch.float32),    # N = 1
+    cases = [  # dv, N, K, shared, row_topk, dtype, state cache laid out partition-major (strided view)
+        (8, 4, 1, True, None, torch.float32, False),
+        (40, 8, 2, True, 5, torch.bfloat16, True),   # d_v over one column block and not a power of two
+        (8, 3, 3, False, None, torch.float16, False),  # K = N, no shared partition
+        (8, 1, 1, False, 4, torch.float32, True),      # N = 1
     ]
-    for dv, N, K, shared, row_topk, dtype in cases:
+    for dv, N, K, shared, row_topk, dtype, strided in cases:
         P, num_slots = N + shared, 7
         slots = torch.tensor([3, -1, 0, 6, -1])
         ins = _inputs(len(slots), 1, H, c, dv, N, shared, num_slots, dtype)
         state = ins.pop("initial_state").detach()
         step = {n: None if x is None else x.detach()[:, 0] for n, x in ins.items()}
         cache = state.clone()
+        if strided:
+            cache = torch.empty(num_slots, P, H, c, dv).transpose(1, 2).copy_(state)
         o = sse_decode(cache, slots, **step, top_k=K, row_topk=row_topk, impl="triton")
         live = slots >= 0
         ref_o, ref_state = sse_reference(**{n: None if x is None else x.detach()[live] for n, x in ins.items()},
                                          top_k=K, row_topk=row_topk, initial_state=state[slots[live]],
                                          output_final_state=True)
         errors = {"o": _rel(o[live], ref_o[:, 0]), "state": _rel(cache[slots[live]], ref_state)}
-        print(dv, N, K, shared, row_topk, dtype, {n: f"{e:.1e}" for n, e in errors.items()})
+        print(dv, N, K, shared, row_topk, dtype, strided, {n: f"{e:.1e}" for n, e in errors.items()})
         assert o.dtype == dtype and bool((o[~live] == 0).all()), "skipped rows must give zeros"
         assert max(errors.values()) < (1e-5 if dtype == torch.float32 else 1e-2), errors
         # Only the selected partitions and the shared one of the live slots change; the rest is not touched.

@@ -25,7 +25,8 @@ def _update(state_ptr, tile, mask, decay, key, v, q):
 
 @triton.jit
 def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale, H, C, V,
-                   N, K: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr,
+                   N, stride_slot, stride_head, stride_part, stride_row, stride_col, K: tl.constexpr,
+                   SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -46,24 +47,23 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     w = router_softmax(logits, n, N)
     scores = tl.where(n < N, logits, float("-inf"))
 
-    P = N + SHARED
     r = tl.arange(0, BLOCK_C)[:, None]                 # state rows
-    tile = r * V + d                                   # [BLOCK_C, BLOCK_V] offsets inside one state
+    tile = r * stride_row + d * stride_col             # [BLOCK_C, BLOCK_V] offsets inside one state
     mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
-    base = state_ptr + (slot * H + h) * P * C * V
+    base = state_ptr + slot * stride_slot + h * stride_head
     decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
     acc = tl.zeros([1, BLOCK_V], tl.float32)
     for _ in tl.static_range(K):
         p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
         w_p = tl.sum(tl.where(n == p, w, 0.0))
         p = tl.sum(p)                                  # scalar partition index
-        acc += w_p * _update(base + p * C * V, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
+        acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
     if SHARED:
         keys_s, keep_s = softmax_keys(tl.load(ks_ptr + bhc, mask=c < C, other=0.0).to(tl.float32), c < C,
                                       ROW_TOPK, BLOCK_C)
         q_s = tl.load(qs_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
-        acc += _update(base + N * C * V, tile, mask, decay_s, tl.trans(keys_s), v, tl.trans(q_s))
+        acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v, tl.trans(q_s))
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + (b * H + h) * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -71,14 +71,14 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32
-    (contiguous, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v];
+    (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v];
     router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype.
     Slot ids must be distinct (two programs writing one state would race)."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("the decode state cache must be a contiguous float32 tensor (it is updated in place)")
+    if state.dtype != torch.float32:
+        raise ValueError(f"the decode state cache must be float32, got {state.dtype}")
     if state.shape[1:] != (H, N + shared, C, V):
         raise ValueError(f"state must be [num_slots, H, N + shared, c, d_v] = [*, {H}, {N + shared}, {C}, {V}], "
                          f"got {tuple(state.shape)}")
@@ -89,6 +89,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     shared_args = [x.contiguous() for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B, H, triton.cdiv(V, block_v))](
-            state, slot_ids.contiguous(), *args, *shared_args, o, scale, H, C, V, N, top_k, shared, row_topk or 0,
+            state, slot_ids.contiguous(), *args, *shared_args, o, scale, H, C, V, N, *state.stride(), top_k, shared,
+            row_topk or 0,
             triton.next_power_of_2(C), block_v, triton.next_power_of_2(N), num_warps=4)
     return o
