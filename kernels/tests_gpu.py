@@ -38,14 +38,21 @@ def report(name, errors, tol):
           " ".join(f"{k}={v:.1e}" for k, v in errors.items()), flush=True)
 
 
-def make_inputs(T, H, c, dv, N, segments, dtype, device):
-    x = lambda *s: torch.randn(*s, device=device).to(dtype).requires_grad_()  # noqa: E731
-    log_decay = torch.nn.functional.logsigmoid(torch.randn(1, T, H, c, device=device) * 2) / 16
-    return dict(q=x(1, T, H, c), k_logits=x(1, T, H, c), v=x(1, T, H, dv),
-                log_decay=log_decay.to(dtype).requires_grad_(),
-                router_logits=torch.randn(1, T, N, device=device).requires_grad_(),
-                q_shared=x(1, T, H, c), k_shared_logits=x(1, T, H, c),
-                initial_state=torch.randn(segments, H, N + 1, c, dv, device=device).requires_grad_())
+def make_inputs(T, H, c, dv, N, segments, device):
+    """float32 inputs whose activations are exact in bf16, so one float64 reference serves every dtype.
+    Key logits are distinct within each head (a permutation of a grid), so the row-sparse top-r has no ties."""
+    bf16 = lambda *s: torch.randn(*s, device=device).bfloat16().float()  # noqa: E731
+    keys = lambda: torch.rand(1, T, H, c, device=device).argsort(-1).float() * (4 / c) - 2  # noqa: E731
+    log_decay = (torch.nn.functional.logsigmoid(torch.randn(1, T, H, c, device=device) * 2) / 16).bfloat16()
+    return dict(q=bf16(1, T, H, c), k_logits=keys(), v=bf16(1, T, H, dv), log_decay=log_decay.float(),
+                router_logits=torch.randn(1, T, N, device=device), q_shared=bf16(1, T, H, c),
+                k_shared_logits=keys(), initial_state=torch.randn(segments, H, N + 1, c, dv, device=device))
+
+
+def as_leaves(inputs, dtype):
+    """The activations in `dtype` (router logits and states stay float32) as fresh leaves."""
+    keep = ("router_logits", "initial_state")
+    return {n: (x if n in keep else x.to(dtype)).detach().clone().requires_grad_() for n, x in inputs.items()}
 
 
 def forward_backward(fn, ins, cotangents, **kw):
@@ -80,31 +87,31 @@ def check_training(impls, dtypes, lengths_short, long_T, H, c, dv, device, head_
     from kernels.sse import sse_reference
     configs = [(4, 1, None, True), (8, 2, None, True), (4, 1, c // 4, False)]  # N, K, row_topk, also long T
     for N, K, row_topk, with_long in configs:
-        for dtype in dtypes:
-            cases = [("varlen batch", lengths_short)] + ([(f"T={long_T}", [long_T])] if with_long else [])
-            for label, lens in cases:
-                cu = torch.tensor([0] + lens, device=device).cumsum(0)
-                T = int(cu[-1])
-                ins = make_inputs(T, H, c, dv, N, len(lens), dtype, device)
-                kw = dict(top_k=K, cu_seqlens=cu, row_topk=row_topk)
-                cot = (torch.randn(1, T, H, dv, device=device, dtype=torch.float64),
-                       torch.randn(len(lens), H, N + 1, c, dv, device=device, dtype=torch.float64))
-                if label == "varlen batch":
-                    f64 = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
-                    ref = forward_backward(sse_reference, f64, cot, **kw)
-                    against = "reference f64"
-                else:
-                    ref = torch_f64_by_heads(ins, cot, head_group, **kw)
-                    against = "chunk_torch_varlen f64"
+        cases = [("varlen batch", lengths_short)] + ([(f"T={long_T}", [long_T])] if with_long else [])
+        for label, lens in cases:
+            cu = torch.tensor([0] + lens, device=device).cumsum(0)
+            T = int(cu[-1])
+            inputs = make_inputs(T, H, c, dv, N, len(lens), device)
+            kw = dict(top_k=K, cu_seqlens=cu, row_topk=row_topk)
+            cot = (torch.randn(1, T, H, dv, device=device, dtype=torch.float64),
+                   torch.randn(len(lens), H, N + 1, c, dv, device=device, dtype=torch.float64))
+            if label == "varlen batch":
+                ref = forward_backward(sse_reference, as_leaves(inputs, torch.float64), cot, **kw)
+                against = "reference f64"
+            else:
+                ref = torch_f64_by_heads(inputs, cot, head_group, **kw)
+                against = "chunk_torch_varlen f64"
+            for dtype in dtypes:
                 for impl_name, impl in impls.items():
-                    got = forward_backward(impl, ins, cot, **kw)
+                    got = forward_backward(impl, as_leaves(inputs, dtype), cot, **kw)
                     errors = {n: rel(got[n], ref[n]) for n in ref}
                     sparse = f" r={row_topk}" if row_topk else ""
                     report(f"{impl_name} N={N} K={K}+s{sparse} {str(dtype)[6:]} {label} vs {against}", errors,
                            TOL[dtype])
-                del ref, ins
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                    del got
+            del ref, inputs
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def check_decode(H, c, dv, device, dtypes):
@@ -115,11 +122,9 @@ def check_decode(H, c, dv, device, dtypes):
             for row_topk in (None, 16):
                 slots = torch.tensor([5, -1, 0, 17, 9, -1, 31, 2], device=device)
                 B, P = len(slots), N + 1
-                x = lambda *s: torch.randn(*s, device=device).to(dtype)  # noqa: E731
-                step = dict(q=x(B, H, c), k_logits=x(B, H, c), v=x(B, H, dv),
-                            log_decay=(torch.nn.functional.logsigmoid(x(B, H, c).float()) / 16).to(dtype),
-                            router_logits=torch.randn(B, N, device=device), q_shared=x(B, H, c),
-                            k_shared_logits=x(B, H, c))
+                inputs = make_inputs(B, H, c, dv, N, 1, device)
+                step = {n: x[0].to(dtype if n != "router_logits" else torch.float32)
+                        for n, x in inputs.items() if n != "initial_state"}
                 state = torch.randn(32, H, P, c, dv, device=device)
                 cache = state.clone()
                 o = sse_decode_triton(cache, slots, **step, top_k=K, row_topk=row_topk)

@@ -103,14 +103,17 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, part_ptr, pos_ptr, d
             dkeys_s += tl.where(is_shared, d_k, 0.0)
             dg += tl.where(is_shared & keep_s, d_g, 0.0)
     # Softmax backward: dx = y * (dy - sum(y * dy)); keys are 0 off the kept rows, so those get 0.
-    tl.store(dk_ptr + hc, keys * (dkeys - tl.sum(keys * dkeys, 1, keep_dims=True)), mask=in_c)
-    tl.store(de_ptr + t * N + n, w * (dw - tl.sum(w * dw, 1, keep_dims=True)), mask=n < N)
-    tl.store(dq_ptr + hc, dq, mask=in_c)
-    tl.store(dg_ptr + hc, dg, mask=in_c)
-    tl.store(dv_ptr + hv, dv, mask=in_v)
+    tl.store(dk_ptr + hc, (keys * (dkeys - tl.sum(keys * dkeys, 1, keep_dims=True))).to(dk_ptr.dtype.element_ty),
+             mask=in_c)
+    tl.store(de_ptr + t * N + n, (w * (dw - tl.sum(w * dw, 1, keep_dims=True))).to(de_ptr.dtype.element_ty),
+             mask=n < N)
+    tl.store(dq_ptr + hc, dq.to(dq_ptr.dtype.element_ty), mask=in_c)
+    tl.store(dg_ptr + hc, dg.to(dg_ptr.dtype.element_ty), mask=in_c)
+    tl.store(dv_ptr + hv, dv.to(dv_ptr.dtype.element_ty), mask=in_v)
     if SHARED:
-        tl.store(dqs_ptr + hc, dq_s, mask=in_c)
-        tl.store(dks_ptr + hc, keys_s * (dkeys_s - tl.sum(keys_s * dkeys_s, 1, keep_dims=True)), mask=in_c)
+        tl.store(dqs_ptr + hc, dq_s.to(dqs_ptr.dtype.element_ty), mask=in_c)
+        dz_s = keys_s * (dkeys_s - tl.sum(keys_s * dkeys_s, 1, keep_dims=True))
+        tl.store(dks_ptr + hc, dz_s.to(dks_ptr.dtype.element_ty), mask=in_c)
 
 
 @triton.jit
@@ -170,19 +173,18 @@ class _Expand(torch.autograd.Function):
         q, k_logits, router_logits, q_shared, k_shared_logits, part, pos = ctx.saved_tensors
         (L, H, C, V, N, J), (v_dtype, g_dtype) = ctx.shapes, ctx.dtypes
         shared = q_shared is not None
-        dq, dk = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k_logits, dtype=torch.float32)
-        dv = torch.empty(L, H, V, dtype=torch.float32, device=q.device)
-        dg, de = torch.empty_like(dq), torch.empty_like(router_logits, dtype=torch.float32)
-        dqs, dks = (torch.empty_like(dq), torch.empty_like(dq)) if shared else (None, None)
+        # Gradients are written once, in the inputs' dtypes (the kernel accumulates in float32).
+        dq, dk, de = torch.empty_like(q), torch.empty_like(k_logits), torch.empty_like(router_logits)
+        dv = torch.empty(L, H, V, dtype=v_dtype, device=q.device)
+        dg = torch.empty(L, H, C, dtype=g_dtype, device=q.device)
+        dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
         if L:
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
             _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
                                      k_shared_logits if shared else k_logits, part, pos, *grads, dq, dk, dv, dg,
                                      de, dqs if shared else dq, dks if shared else dk, H, C, V, N, J, shared,
                                      ctx.row_topk or 0, **_blocks(H, C, V, N), num_warps=_warps(H, C))
-        cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dk, k_logits), dv.to(v_dtype), dg.to(g_dtype), cast(de, router_logits),
-                cast(dqs, q_shared), cast(dks, k_shared_logits), None, None, None, None)
+        return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
 
 
 class _Collect(torch.autograd.Function):
