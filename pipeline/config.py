@@ -98,7 +98,7 @@ class SFTSettings:
     epochs: float = 1.0
     learning_rate: float = 1e-5
     lr_scheduler: Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"] = "cosine"
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # fraction of steps; transformers 5 takes it as TrainingArguments.warmup_steps < 1
     per_device_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     max_length: int = 1024
@@ -418,6 +418,7 @@ def _check(cfg: Config) -> None:
             f"per_device_batch_size * resources.grpo.num_workers * gradient_accumulation_steps = {batch} "
             f"completions per step must be a multiple of num_generations={g.num_generations}",
             ["grpo.num_generations", "resources.grpo.num_workers", "grpo.gradient_accumulation_steps"])
+    require(0 <= cfg.sft.warmup_ratio < 1, "sft.warmup_ratio", f"must be in [0, 1), got {cfg.sft.warmup_ratio}")
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
     for i, entry in enumerate(cfg.data.eval):
