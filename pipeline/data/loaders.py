@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 import pyarrow.parquet as pq
 
-from eval.prompts import build_prompt
+from eval.prompts import build_prompt, prompt_token_ids
 from pipeline.config import EVAL_PRESETS, DataSource, describe
 from pipeline.data.generator import generate
 
@@ -59,8 +59,7 @@ def filter_long_prompts(dataset: datasets.Dataset, tokenizer, max_length: int, m
                         ) -> tuple[datasets.Dataset, int]:
     """Drop prompts whose chat-templated length exceeds `max_length` ("skip": returns how many), or refuse
     them ("error", naming the first). Long prompts would otherwise be truncated silently."""
-    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
-               for p in dataset["prompt"]]
+    lengths = [len(prompt_token_ids(tokenizer, p)) for p in dataset["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= max_length]
     if mode == "error" and len(keep) < len(lengths):
         first = next(i for i, n in enumerate(lengths) if n > max_length)
