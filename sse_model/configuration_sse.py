@@ -65,6 +65,7 @@ class SSEConfig(PreTrainedConfig):
     sse_row_topk: int | None = None
     sse_decay_rank: int = 16
     sse_decay_normalizer: float = 16.0
+    sse_gate_bias: bool = False  # a bias on g_proj; conversion from Transformers starts the gate at a constant
     sse_balance_loss_coef: float = 0.01
     sse_impl: str = "auto"
 

@@ -130,7 +130,7 @@ class SSELayer(nn.Module):
             self.q_shared_up = nn.Linear(r, H * c, bias=False)
             self.k_shared_down = nn.Linear(D, r, bias=False)
             self.k_shared_up = nn.Linear(r, H * c, bias=False)
-        self.g_proj = nn.Linear(D, H * dv, bias=False)
+        self.g_proj = nn.Linear(D, H * dv, bias=config.sse_gate_bias)
         self.o_norm = SSERMSNorm(dv, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * dv, D, bias=False)
 
@@ -263,6 +263,14 @@ def attention_mask_4d(token_mask, cu_seqlens, past_len: int, T: int, device) -> 
 
 
 @dataclass
+class SSEModelOutput(ModelOutput):
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: SSECache | None = None
+    balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
+    partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
+
+
+@dataclass
 class SSECausalLMOutput(ModelOutput):
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
@@ -332,7 +340,13 @@ class SSEModel(SSEPreTrainedModel):
                 router_logits.append(r)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
-        return self.norm(x), past_key_values, router_logits, layer_kwargs["token_mask"]
+        aux, usage = None, None
+        if router_logits:
+            terms = [balance_loss(r, self.config.sse_top_k, layer_kwargs["token_mask"]) for r in router_logits]
+            aux = torch.stack([t[0] for t in terms]).mean()
+            usage = torch.stack([t[1] for t in terms])
+        return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
+                              partition_usage=usage)
 
 
 class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
@@ -352,21 +366,14 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
                 **kwargs) -> SSECausalLMOutput:
-        hidden, cache, router_logits, token_mask = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep, :])
-
-        aux, usage = None, None
-        if router_logits:
-            terms = [balance_loss(r, self.config.sse_top_k, token_mask) for r in router_logits]
-            aux = torch.stack([t[0] for t in terms]).mean()
-            usage = torch.stack([t[1] for t in terms])
+        logits = self.lm_head(out.last_hidden_state[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-            if aux is not None and self.config.sse_balance_loss_coef:
-                loss = loss + self.config.sse_balance_loss_coef * aux
-        return SSECausalLMOutput(loss=loss, logits=logits, past_key_values=cache, balance_loss=aux,
-                                 partition_usage=usage)
+            if out.balance_loss is not None and self.config.sse_balance_loss_coef:
+                loss = loss + self.config.sse_balance_loss_coef * out.balance_loss
+        return SSECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                 balance_loss=out.balance_loss, partition_usage=out.partition_usage)

@@ -149,3 +149,18 @@ def test_bad_arguments_are_named(bad, message):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=message):
         sse_attention(**x, **kwargs)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("per_token_log_decay", [-0.05, -40.0], ids=["factorised", "pairwise_fallback"])
+def test_gla_core_both_score_forms(dtype, tol, per_token_log_decay):
+    """The chunked GLA core switches to the exact pairwise form when in-chunk decay would overflow exp(-b);
+    both forms must match the recurrence, with no NaN from the strong decay."""
+    from kernels.gla import chunk_gla_torch
+    g_ = torch.Generator().manual_seed(21)
+    q, k = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64), torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    v = torch.randn(2, 45, 2, 4, generator=g_, dtype=torch.float64)
+    g = per_token_log_decay * torch.rand(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    o_ref, s_ref = recurrent_gla_reference(q, k, v, g, output_final_state=True)
+    o, s = chunk_gla_torch(*(x.to(dtype) for x in (q, k, v, g)), output_final_state=True)
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol

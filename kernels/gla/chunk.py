@@ -1,16 +1,20 @@
 """Chunkwise GLA in plain torch: the CPU training path, differentiable with autograd.
 
 Every segment is cut into chunks of `chunk_size` tokens (the last one zero-padded: zero k/v and zero log-decay
-leave the state untouched). Within a chunk the decayed scores are computed pairwise from exp(b_t - b_s) with
-b the in-chunk cumulative log-decay, so every exponent is <= 0 and nothing overflows whatever the decay; the
-pairwise tensor is why the default chunk is small. Across chunks the state is carried by a loop over the chunk
-position inside a segment, vectorised over all segments, so the loop length is the longest segment / chunk size.
+leave the state untouched). With b the in-chunk cumulative log-decay (b <= 0), the decayed scores are
+sum_k q_tk k_sk exp(b_tk - b_sk). They are computed as a matmul of q exp(b) and k exp(-b) when exp(-b) cannot
+overflow (the usual case: decays near 1), and otherwise from the pairwise exp(b_t - b_s) tensor, whose exponents
+are all <= 0, exact for any decay but C times the memory. Across chunks the state is carried by a loop over the
+chunk position inside a segment, vectorised over all segments, so the loop length is the longest segment / C.
 """
 import torch
 
+# Largest in-chunk cumulative decay |b| for which exp(|b|) and the products built from it stay finite.
+FACTORISED_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
+
 
 def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    chunk_size=16):
+                    chunk_size=32):
     """Same contract as `recurrent_gla_reference` (and flash-linear-attention's `chunk_gla`).
 
     Computes in float32 (float64 for float64 inputs); returns o in v's dtype and the final state in float32/64.
@@ -47,8 +51,12 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
     qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
     b = gc.cumsum(1)
     causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
-    pair = (b[:, :, None] - b[:, None, :]).masked_fill(~causal[None, :, :, None, None], float("-inf")).exp()
-    scores = torch.einsum("nthk,nshk,ntshk->nhts", qc, kc, pair)
+    q_decayed = qc * b.exp()
+    if NC == 0 or float(b.detach().min()) > -FACTORISED_LIMIT[dtype]:
+        scores = torch.einsum("nthk,nshk->nhts", q_decayed, kc * (-b).exp()).masked_fill(~causal, 0)
+    else:
+        pair = (b[:, :, None] - b[:, None, :]).masked_fill(~causal[None, :, :, None, None], float("-inf")).exp()
+        scores = torch.einsum("nthk,nshk,ntshk->nhts", qc, kc, pair)
     o = torch.einsum("nhts,nshv->nthv", scores, vc)
 
     b_last = b[:, -1]
@@ -65,7 +73,7 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
         state = torch.where(active[:, None, None, None], chunk_decay[ids] * state + chunk_update[ids], state)
     if NC:
         state_before = torch.cat(before)[torch.argsort(torch.cat(before_ids))]
-        o = o + torch.einsum("nthk,nhkv->nthv", qc * b.exp(), state_before)
+        o = o + torch.einsum("nthk,nhkv->nthv", q_decayed, state_before)
     # Chunks are in (segment, time) order, so the valid rows are exactly tokens 0..L-1 in order.
     o = o.reshape(NC * C, H, V)[valid.reshape(-1)].reshape(B, T, H, V)
     return o.to(out_dtype), (state if output_final_state else None)

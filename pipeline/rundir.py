@@ -1,0 +1,143 @@
+"""The run directory `runs/<name>/`: resolved config, manifest of stage status, checkpoints, metrics, logs, report.
+
+Every file that a reader may see half-written is written to a temporary name and renamed (os.replace is atomic on
+POSIX), so a kill at any moment leaves either the old or the new version, never a mix.
+"""
+import fcntl
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+STAGE_STATES = ("pending", "running", "done", "failed")
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The highest `checkpoint-<step>` in `folder`. Checkpoints are renamed into place only once complete, so a
+    directory cut off mid-write never has this name."""
+    if not folder.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := CHECKPOINT.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+class RunLocked(RuntimeError):
+    pass
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest_path = self.path / "manifest.json"
+        self._lock_file = None
+
+    # --- layout -------------------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.path / stage
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def create(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True)
+
+    def lock(self) -> None:
+        """One live driver per run directory. The lock is an flock, so it dies with its process (SIGKILL too)."""
+        self._lock_file = open(self.path / ".driver.lock", "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "another process"
+            self._lock_file.close()
+            self._lock_file = None
+            raise RunLocked(f"{self.path} is in use by a live driver ({holder}); wait for it or stop it first")
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        self._lock_file.flush()
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    # --- manifest -----------------------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        if not self.manifest_path.exists():
+            return {"stages": {}}
+        return json.loads(self.manifest_path.read_text())
+
+    def set_stage(self, stage: str, state: str, **info) -> None:
+        assert state in STAGE_STATES, state
+        manifest = self.manifest()
+        entry = manifest["stages"].setdefault(stage, {})
+        entry.update(state=state, updated=time.strftime("%Y-%m-%dT%H:%M:%S"), **info)
+        write_atomic(self.manifest_path, json.dumps(manifest, indent=1))
+
+    def stage_state(self, stage: str) -> str:
+        return self.manifest()["stages"].get(stage, {}).get("state", "pending")
+
+    def stage_output(self, stage: str) -> str | None:
+        return self.manifest()["stages"].get(stage, {}).get("output")
+
+    # --- metrics ------------------------------------------------------------------------------------------
+    def log_metrics(self, stage: str, step: int, values: dict) -> None:
+        """Append one JSON line. A line cut off by a kill is skipped by `read_metrics`."""
+        line = json.dumps({"stage": stage, "step": step, "time": time.time(), **values})
+        with open(self.metrics_path, "a") as f:
+            f.write(line + "\n")
+
+    def read_metrics(self, stage: str | None = None) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        rows = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if stage is None or row.get("stage") == stage:
+                rows.append(row)
+        return rows
+
+    def drop_metrics_after(self, stage: str, step: int) -> None:
+        """On resume from checkpoint `step`, forget the stage's metrics logged after it (they will be logged again)."""
+        rows = [r for r in self.read_metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
+        write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def remove_stage_output(self, stage: str) -> None:
+        shutil.rmtree(self.stage_dir(stage), ignore_errors=True)

@@ -1,0 +1,58 @@
+"""Stage `sft`: distillation with TRL's SFTTrainer (chat template, loss on completions only, packing or
+padding-free batches when configured). Resumes from the stage's last complete checkpoint."""
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+
+from pipeline.data.loaders import load_sft_dataset
+from pipeline.training import (AtomicCheckpointsMixin, StageCallback, common_training_args, resume_checkpoint,
+                               save_final_model)
+
+
+class SSESFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
+    """TRL computes the language-model loss through a fused LM head that calls the backbone directly, so the model's
+    own loss (which adds the SSE balance term) is bypassed; the balance loss the backbone returns is added here."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        captured = []
+        hook = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out.balance_loss))
+        try:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
+        coef = self.model.config.sse_balance_loss_coef
+        if coef and captured and captured[0] is not None:
+            # a per-micro-batch mean, while the LM loss is already normalised over the whole accumulated batch
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            extra = coef * captured[0] / steps
+            result = (result[0] + extra, result[1]) if return_outputs else result + extra
+        return result
+
+
+def run(cfg, run_dir, model_path) -> dict:
+    s = cfg.sft
+    out = run_dir.stage_dir("sft")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+    dataset = load_sft_dataset(cfg.data.sft)
+    args = SFTConfig(
+        **common_training_args(cfg, s, out),
+        num_train_epochs=s.epochs,
+        max_steps=s.max_steps or -1,
+        lr_scheduler_type=s.lr_scheduler,
+        warmup_steps=s.warmup_ratio,  # transformers 5 takes a ratio here when < 1
+        weight_decay=s.weight_decay,
+        max_grad_norm=s.max_grad_norm,
+        max_length=s.max_length,
+        packing=s.packing,
+        padding_free=s.padding_free,
+        completion_only_loss=True,
+    )
+    trainer = SSESFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            callbacks=[StageCallback(run_dir, "sft", model)])
+    resume = resume_checkpoint(run_dir, "sft")
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    final = save_final_model(trainer, tokenizer, out / "final")
+    return {"output": str(final), "steps": trainer.state.global_step,
+            "summary": f"{trainer.state.global_step} steps, final train loss {result.training_loss:.4f}"
+                       + (f" (resumed from {resume.name})" if resume else "")}

@@ -1,0 +1,133 @@
+"""What the SFT and GRPO stages share on top of the Hugging Face / TRL trainers.
+
+- `AtomicCheckpointsMixin`: checkpoints are written under a hidden name and renamed into place when complete.
+- `StageCallback`: metrics into the run's metrics.jsonl.
+- `NonFiniteLoss`: a NaN/inf loss stops the stage before the optimizer step, so no bad weights are ever saved.
+- `resume_checkpoint`, `save_final_model`, `common_training_args`.
+"""
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import rotate_checkpoints
+
+from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class AtomicCheckpointsMixin:
+    """Mix in before a `transformers.Trainer` subclass.
+
+    The trainer writes `checkpoint-<step>` straight into the output directory; a kill mid-write would leave a
+    directory that looks complete. Here it writes into `.partial-checkpoint-<step>/` and renames when done, and
+    `training_step` refuses a non-finite loss before it reaches the optimizer."""
+
+    _staging_dir = None
+
+    def _get_output_dir(self, trial):
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging = run_dir / f".partial-{name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        self._staging_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        if self.args.should_save:
+            for file in (staging / name).iterdir():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+            os.rename(staging / name, run_dir / name)
+            staging.rmdir()
+            fsync_dir(run_dir)
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=False)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss).all():
+            raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
+                                f"and the last good checkpoint is kept")
+        return loss
+
+
+class StageCallback(TrainerCallback):
+    """Writes the trainer's logs into the run's metrics.jsonl (one line per log event), with the SSE routing
+    statistics of the forward passes since the last log: partition usage per SSE layer and the balance loss."""
+
+    def __init__(self, run: RunDir, stage: str, model=None):
+        self.run, self.stage = run, stage
+        self._usage, self._balance, self._count = 0.0, 0.0, 0
+        if model is not None:  # the backbone: TRL's fused LM head calls it directly, bypassing the model's forward
+            model.base_model.register_forward_hook(self._record_routing)
+
+    def _record_routing(self, module, args, output):
+        usage = getattr(output, "partition_usage", None)
+        if usage is None or not torch.is_grad_enabled():  # count training forwards only, not no-grad scoring
+            return
+        self._usage = self._usage + usage.detach().float().cpu()
+        self._balance += float(output.balance_loss)
+        self._count += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and logs):
+            return
+        clean = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._count:
+            clean["balance_loss"] = self._balance / self._count
+            for layer, row in enumerate((self._usage / self._count).tolist()):
+                clean.update({f"partition_usage/{layer}/{p}": round(u, 4) for p, u in enumerate(row)})
+            self._usage, self._balance, self._count = 0.0, 0.0, 0
+        self.run.log_metrics(self.stage, state.global_step, clean)
+
+
+def resume_checkpoint(run: RunDir, stage: str) -> Path | None:
+    """The stage's last complete checkpoint, after forgetting metrics logged past it (they will be logged again)."""
+    checkpoint = latest_checkpoint(run.stage_dir(stage))
+    if checkpoint is not None:
+        run.drop_metrics_after(stage, int(CHECKPOINT.match(checkpoint.name).group(1)))
+    return checkpoint
+
+
+def save_final_model(trainer, tokenizer, out: Path) -> Path:
+    """`out` appears only complete: written beside it, then renamed."""
+    staging = out.with_name(f".partial-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    trainer.save_model(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(staging, out)
+    fsync_dir(out.parent)
+    return out
+
+
+def common_training_args(cfg, stage_cfg, out: Path) -> dict:
+    """TrainingArguments shared by SFT and GRPO, from the run config and the stage's section."""
+    on_gpu = torch.cuda.is_available()
+    return dict(
+        output_dir=str(out),
+        learning_rate=stage_cfg.learning_rate,
+        per_device_train_batch_size=stage_cfg.per_device_batch_size,
+        gradient_accumulation_steps=stage_cfg.gradient_accumulation_steps,
+        gradient_checkpointing=stage_cfg.gradient_checkpointing,
+        save_strategy="steps",
+        save_steps=stage_cfg.save_steps,
+        logging_steps=stage_cfg.logging_steps,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=cfg.model.dtype == "bfloat16" and on_gpu,
+        use_cpu=not on_gpu,
+        report_to=[],
+        dataloader_num_workers=0,
+        save_only_model=False,
+    )
