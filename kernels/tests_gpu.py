@@ -211,6 +211,18 @@ def check_model_step(device):
            {"loss": rel(loss_t, loss_ref), "grads": max(rel(a, b) for a, b in zip(grads_t, grads_ref))}, 1e-2)
 
 
+def one_config_per_autotuned_kernel():
+    """Correctness does not depend on fla's tuning, and autotuning every kernel for every dtype and head count
+    costs minutes of compilation: run each autotuned kernel with one config (the first with 4 warps)."""
+    from triton.runtime.autotuner import Autotuner
+    prune = Autotuner.prune_configs
+
+    def first_config(self, *args, **kwargs):
+        configs = prune(self, *args, **kwargs)
+        return [next((c for c in configs if c.num_warps == 4), configs[0])]
+    Autotuner.prune_configs = first_config
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -224,6 +236,7 @@ def main():
         lengths_short, long_T, dtypes, head_group = [1, 0, 5, 9], 40, [torch.float32], 1
     else:
         from kernels.triton import chunk
+        one_config_per_autotuned_kernel()
         gla = {}
         shapes = dict(H=16, c=128, dv=128, device="cuda")
         lengths_short, long_T, head_group = [1, 0, 37, 64, 300, 1000], 32768, 4
