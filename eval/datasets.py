@@ -19,9 +19,12 @@ BENCHMARKS = {
 }
 
 
-def benchmark_source(spec: str, limit: int | None = None) -> DataSource:
-    """The DataSource of a benchmark name, a local .jsonl/.parquet file, or a Hugging Face id / directory."""
-    if spec in BENCHMARKS:
+def benchmark_source(spec: str | DataSource, limit: int | None = None) -> DataSource:
+    """The DataSource of a benchmark name, a local .jsonl/.parquet file, or a Hugging Face id / directory (or a
+    config's DataSource, as is)."""
+    if isinstance(spec, DataSource):
+        src = spec
+    elif spec in BENCHMARKS:
         src = BENCHMARKS[spec]
     elif spec.endswith((".jsonl", ".parquet")) or "/" in spec or Path(spec).is_dir():
         src = DataSource(source=spec, split="test")
@@ -31,7 +34,7 @@ def benchmark_source(spec: str, limit: int | None = None) -> DataSource:
     return dataclasses.replace(src, limit=limit)
 
 
-def load_benchmark(spec: str, limit: int | None = None) -> tuple[str, datasets.Dataset]:
+def load_benchmark(spec: str | DataSource, limit: int | None = None) -> tuple[str, datasets.Dataset]:
     """(name for reports, rows) of a benchmark; `limit` keeps the first rows only."""
     src = benchmark_source(spec, limit)
     return source_name(src), load_rl_dataset(src)

@@ -7,12 +7,47 @@
 """
 import argparse
 import sys
+from pathlib import Path
 
 
-def _not_yet(name: str):
-    def run(argv):
-        sys.exit(f"sse-rl {name}: not yet available in this version")
-    return run
+def run_main(argv) -> int:
+    from pipeline.config import ConfigError, load_config
+    from pipeline.orchestrator import StageFailed, run_pipeline
+    from pipeline.rundir import RunLocked
+
+    parser = argparse.ArgumentParser(prog="sse-rl run", description="Run the stages a config lists; running "
+                                     "the same command again resumes the run.")
+    parser.add_argument("config", help="YAML config (configs/tiny.yaml is the embedded CPU default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set grpo.num_generations=8 (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        run_pipeline(load_config(args.config, args.overrides))
+    except (ConfigError, StageFailed, RunLocked) as err:
+        print(f"sse-rl run: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def resume_main(argv) -> int:
+    from pipeline.config import ConfigError, load_config
+    from pipeline.orchestrator import StageFailed, run_pipeline
+    from pipeline.rundir import RunLocked
+
+    parser = argparse.ArgumentParser(prog="sse-rl resume", description="Continue a run directory: finished "
+                                     "stages are skipped, the unfinished one continues from its last checkpoint.")
+    parser.add_argument("run_dir", help="runs/<name>")
+    args = parser.parse_args(argv)
+    config = Path(args.run_dir) / "config.yaml"
+    if not config.exists():
+        print(f"sse-rl resume: {config} not found: not a run directory", file=sys.stderr)
+        return 1
+    try:
+        run_pipeline(load_config(config), Path(args.run_dir))
+    except (ConfigError, StageFailed, RunLocked) as err:
+        print(f"sse-rl resume: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _lazy(module: str, function: str):
@@ -24,21 +59,23 @@ def _lazy(module: str, function: str):
 
 
 COMMANDS = {
-    "run": ("run the stages a config lists", _not_yet("run")),
-    "resume": ("continue a run directory from its last complete checkpoint", _not_yet("resume")),
-    "eval": ("avg@k evaluation of a checkpoint through vLLM", _not_yet("eval")),
-    "convert": ("convert a pretrained Transformer checkpoint into SSE-H", _not_yet("convert")),
+    "run": ("run the stages a config lists", run_main),
+    "resume": ("continue a run directory from its last complete checkpoint", resume_main),
+    "eval": ("avg@k evaluation of a checkpoint through vLLM", _lazy("eval.cli", "eval_main")),
+    "convert": ("convert a pretrained Transformer checkpoint into SSE-H", _lazy("sse_model.convert", "convert_main")),
 }
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="sse-rl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[0]}" for k, v in COMMANDS.items()))
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see sse-rl COMMAND --help)")
-    ns = parser.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
-    return COMMANDS[ns.command][1](argv[1:])
+    if not argv or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="sse-rl", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("command", choices=list(COMMANDS),
+                            help="; ".join(f"{k}: {v[0]}" for k, v in COMMANDS.items()))
+        parser.parse_args(argv)
+        return 2
+    return COMMANDS[argv[0]][1](argv[1:]) or 0
 
 
 if __name__ == "__main__":

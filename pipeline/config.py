@@ -34,6 +34,7 @@ class RaySettings:
     address: str | None = None  # None: start a local Ray instance; "auto" or "host:port" joins a cluster
     num_cpus: int | None = None  # for a local instance; None lets Ray detect
     num_gpus: int | None = None
+    max_failures: int = 2  # restarts of a stage whose Ray worker died (Ray Train failure config / task retries)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,9 +123,10 @@ class RewardSpec:
 @dataclass(frozen=True, kw_only=True)
 class VLLMSettings:
     gpu_memory_utilization: float = 0.3
-    kv_cache_gib: float | None = None  # KV cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int | None = None  # KV cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE, an integer)
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout engine dtype; "auto": the checkpoint's
 
 
 @dataclass(frozen=True, kw_only=True)

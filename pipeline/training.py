@@ -1,6 +1,7 @@
 """What the SFT and GRPO stages share on top of the Hugging Face / TRL trainers.
 
 - `AtomicCheckpointsMixin`: checkpoints are written under a hidden name and renamed into place when complete.
+- `BalanceLossMixin`: adds the SSE partition-balance loss, which TRL's own losses leave out.
 - `StageCallback`: metrics into the run's metrics.jsonl.
 - `NonFiniteLoss`: a NaN/inf loss stops the stage before the optimizer step, so no bad weights are ever saved.
 - `resume_checkpoint`, `save_final_model`, `common_training_args`.
@@ -59,6 +60,30 @@ class AtomicCheckpointsMixin:
             raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
                                 f"and the last good checkpoint is kept")
         return loss
+
+
+class BalanceLossMixin:
+    """TRL computes its losses from log-probabilities (SFT through a fused LM head that calls the backbone
+    directly), so the model's own loss, which adds the SSE balance term, is never used. The backbone returns the
+    balance loss; it is added here with the model's coefficient."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        captured = []
+        hook = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out.balance_loss))
+        try:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
+        coef = self.model.config.sse_balance_loss_coef
+        balance = next((b for b in captured if b is not None and b.requires_grad), None)
+        if coef and balance is not None:
+            # A per-micro-batch mean: scale it like the trainer scales the loss over gradient accumulation (the
+            # Trainer divides by the accumulation steps unless the loss was normalised by num_items_in_batch).
+            trainer_divides = (not self.model_accepts_loss_kwargs or num_items_in_batch is None) \
+                and self.compute_loss_func is None
+            extra = coef * balance / (1 if trainer_divides else self.current_gradient_accumulation_steps)
+            result = (result[0] + extra, result[1]) if return_outputs else result + extra
+        return result
 
 
 class StageCallback(TrainerCallback):

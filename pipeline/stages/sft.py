@@ -4,29 +4,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
+import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import load_sft_dataset
-from pipeline.training import (AtomicCheckpointsMixin, StageCallback, common_training_args, resume_checkpoint,
-                               save_final_model)
+from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
+                               resume_checkpoint, save_final_model)
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
-    """TRL computes the language-model loss through a fused LM head that calls the backbone directly, so the model's
-    own loss (which adds the SSE balance term) is bypassed; the balance loss the backbone returns is added here."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        captured = []
-        hook = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out.balance_loss))
-        try:
-            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        finally:
-            hook.remove()
-        coef = self.model.config.sse_balance_loss_coef
-        if coef and captured and captured[0] is not None:
-            # a per-micro-batch mean, while the LM loss is already normalised over the whole accumulated batch
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-            extra = coef * captured[0] / steps
-            result = (result[0] + extra, result[1]) if return_outputs else result + extra
-        return result
+class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, SFTTrainer):
+    pass
 
 
 def run(cfg, run_dir, model_path) -> dict:

@@ -1,0 +1,151 @@
+"""The driver of `sse-rl run` / `sse-rl resume`: owns the run directory and runs each stage as Ray work.
+
+Training stages (sft, grpo) run through Ray Train (`TorchTrainer`, one TRL trainer per worker), whose failure
+config restarts a stage whose worker died; the restarted stage continues from its last complete checkpoint.
+The other stages run as Ray tasks with declared resources. A stage that raises (bad data, NaN loss, a weight-sync
+drift) is not retried: it reports the error, the manifest marks it failed, and the last good checkpoint stays.
+"""
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.config import Config, config_from_dict, resolve, save_config
+from pipeline.rundir import RunDir, write_atomic
+
+TRAINING_STAGES = ("sft", "grpo")
+MODEL_STAGES = ("init", "convert", "sft", "grpo")  # stages whose output is the next stage's model
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def stage_function(stage: str):
+    import importlib
+
+    module = {"eval": "evaluate"}.get(stage, stage)
+    return importlib.import_module(f"pipeline.stages.{module}").run
+
+
+def execute_stage(stage: str, config: dict, run_path: str, model_path: str | None, write_result: bool = True):
+    """Runs on a Ray worker. The result goes to `<stage>/result.json` for the driver; an exception becomes a
+    failed result (returned normally, so Ray does not retry what would fail the same way again)."""
+    cfg, run_dir = config_from_dict(config, source=f"{run_path}/config.yaml"), RunDir(run_path)
+    run_dir.stage_dir(stage).mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    try:
+        result = {"status": "done", **stage_function(stage)(cfg, run_dir, model_path)}
+    except Exception as err:  # noqa: BLE001  (reported to the driver with the traceback in the stage log)
+        (run_dir.logs_dir / f"{stage}-error.log").write_text(traceback.format_exc())
+        result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+    result["seconds"] = round(time.time() - start, 1)
+    if write_result:
+        write_atomic(run_dir.stage_dir(stage) / "result.json", json.dumps(result, indent=1, default=str))
+
+
+def _train_worker(loop_config: dict):
+    import ray.train
+
+    execute_stage(**loop_config, write_result=ray.train.get_context().get_world_rank() == 0)
+
+
+def start_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS is set under `ray job submit`
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, include_dashboard=False, log_to_driver=True)
+
+
+def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> dict:
+    """Run one stage on the cluster and return its result."""
+    import ray
+
+    res = getattr(cfg.resources, stage)
+    result_file = run_dir.stage_dir(stage) / "result.json"
+    result_file.unlink(missing_ok=True)
+    job = dict(stage=stage, config=resolve(cfg), run_path=str(run_dir.path.resolve()), model_path=model_path)
+    if stage in TRAINING_STAGES:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        worker = {"CPU": res.num_cpus, **({"GPU": res.num_gpus or 1} if res.use_gpu else {})}
+        trainer = TorchTrainer(
+            _train_worker, train_loop_config=job,
+            scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu,
+                                         resources_per_worker=worker),
+            run_config=RunConfig(name=stage, storage_path=str((run_dir.path / "ray").resolve()),
+                                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures)))
+        trainer.fit()
+    else:
+        task = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=cfg.ray.max_failures)
+        ray.get(task(execute_stage).remote(**job))
+    if not result_file.exists():
+        raise StageFailed(f"stage {stage} ended without a result ({result_file} missing)")
+    return json.loads(result_file.read_text())
+
+
+def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:
+    """Create the run directory, or check that an existing one was made by the same config (a resume)."""
+    run_dir = RunDir(run_path)
+    if run_dir.config_path.exists():
+        from pipeline.config import load_config
+
+        previous = resolve(load_config(run_dir.config_path))
+        current = resolve(cfg)
+        changed = sorted(_changed_keys(previous, current))
+        if changed:
+            raise StageFailed(f"{run_path} was started with another config (differs at {', '.join(changed)}); "
+                              f"use `sse-rl resume {run_path}` to continue it, or another name for a new run")
+    run_dir.create()
+    run_dir.lock()
+    if not run_dir.config_path.exists():
+        save_config(cfg, run_dir.config_path)
+    return run_dir
+
+
+def _changed_keys(a, b, prefix=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in set(a) | set(b):
+            yield from _changed_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+    elif a != b:
+        yield prefix.rstrip(".")
+
+
+def run_pipeline(cfg: Config, run_path: Path | None = None) -> RunDir:
+    from pipeline.report import write_report
+
+    run_dir = prepare_run_dir(cfg, Path(run_path or cfg.run_dir))
+    try:
+        start_ray(cfg)
+        model_path = None
+        for stage in cfg.stages:
+            state = run_dir.stage_state(stage)
+            if state == "done":
+                model_path = run_dir.stage_output(stage) or model_path
+                print(f"[{stage}] already done, skipped", flush=True)
+                continue
+            print(f"[{stage}] {'resuming' if state in ('running', 'failed') else 'starting'}", flush=True)
+            run_dir.set_stage(stage, "running")
+            result = launch(stage, cfg, run_dir, model_path)
+            if result["status"] != "done":
+                run_dir.set_stage(stage, "failed", error=result.get("error"))
+                write_report(run_dir)
+                raise StageFailed(f"stage {stage} failed: {result.get('error')} "
+                                  f"(traceback: {run_dir.logs_dir / f'{stage}-error.log'})")
+            run_dir.set_stage(stage, "done", output=result.get("output"), summary=result.get("summary"),
+                              seconds=result.get("seconds"))
+            if stage in MODEL_STAGES:
+                model_path = result["output"]
+            print(f"[{stage}] done in {result.get('seconds')} s: {result.get('summary')}", flush=True)
+            write_report(run_dir)
+    finally:
+        run_dir.unlock()
+    print(f"run finished: {run_dir.path / 'report.md'}", flush=True)
+    return run_dir

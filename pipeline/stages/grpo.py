@@ -1,0 +1,107 @@
+"""Stage `grpo`: TRL's GRPOTrainer with rollouts from the colocated vLLM engine running the SSE-H plugin,
+rewards from the registry, optional evaluation every `grpo.eval_every` steps. Resumes from the stage's last
+complete checkpoint (model, optimizer, scheduler, RNG, data position, step)."""
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+import rewards
+import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
+from eval.prompts import prompt_token_ids
+from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
+from pipeline.rollouts import SSEVLLMGeneration, engine_kwargs
+from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
+                               resume_checkpoint, save_final_model)
+
+
+class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, GRPOTrainer):
+    """GRPOTrainer whose rollout engine is `SSEVLLMGeneration` (see pipeline/rollouts.py). TRL would build its
+    own engine when `use_vllm` is set, so it is constructed with vLLM off and the engine attached after."""
+
+    def __init__(self, *, engine, parity_ids, parity_threshold, **kwargs):
+        args = kwargs["args"]
+        args.use_vllm = False
+        super().__init__(**kwargs)
+        args.use_vllm = self.use_vllm = True
+        self.vllm_generation = SSEVLLMGeneration(
+            engine_kwargs=engine, seed_base=self._rollout_seed_base, parity_ids=parity_ids,
+            parity_threshold=parity_threshold, on_parity=lambda d: self._metrics["train"]["vllm_parity"].append(d),
+            model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
+            max_num_seqs=engine.get("max_num_seqs"), repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        self._last_loaded_step = -1
+
+    def _rollout_seed_base(self) -> int:
+        # Distinct for every (seed, step); request i of the step gets base + i.
+        return (self.args.seed * 1_000_003 + self.state.global_step) * 65_536
+
+
+class PeriodicEval(TrainerCallback):
+    """Evaluates with the rollout engine every `every` steps, after pushing the current weights into it."""
+
+    def __init__(self, cfg, run_dir, every: int):
+        self.cfg, self.run_dir, self.every, self.trainer = cfg, run_dir, every, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every or not state.is_world_process_zero:
+            return
+        from eval.runner import evaluate
+        from pipeline.stages.evaluate import eval_specs
+
+        generation = self.trainer.vllm_generation
+        generation.sync_weights()
+        self.trainer._last_loaded_step = state.global_step
+        e = self.cfg.eval
+        results = evaluate(generation.llm, eval_specs(self.cfg), self.run_dir.stage_dir("grpo") /
+                           f"eval-step-{state.global_step}", n=e.n, temperature=e.temperature, top_p=e.top_p,
+                           max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit)
+        self.run_dir.log_metrics("grpo", state.global_step,
+                                 {f"eval/{name}/avg@{e.n}": m[f"avg@{e.n}"] for name, m in results.items()})
+
+
+def run(cfg, run_dir, model_path) -> dict:
+    g = cfg.grpo
+    out = run_dir.stage_dir("grpo")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+    dataset, skipped = filter_long_prompts(load_rl_dataset(cfg.data.grpo), tokenizer, g.max_prompt_length,
+                                           g.long_prompts)
+    run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
+    funcs, weights = rewards.build_rewards(g.rewards)
+    args = GRPOConfig(
+        **common_training_args(cfg, g, out),
+        max_steps=g.steps,
+        num_generations=g.num_generations,
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        beta=g.beta,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high,
+        loss_type=g.loss_type,
+        scale_rewards=g.scale_rewards,
+        importance_sampling_level=g.importance_sampling_level,
+        mask_truncated_completions=g.mask_truncated_completions,
+        reward_weights=weights,
+        lr_scheduler_type="constant",
+    )
+    parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
+        f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)
+    callbacks = [StageCallback(run_dir, "grpo", model)]
+    if g.eval_every:
+        callbacks.append(PeriodicEval(cfg, run_dir, g.eval_every))
+    trainer = SSEGRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset,
+                             processing_class=tokenizer, callbacks=callbacks,
+                             engine=engine_kwargs(cfg, model_path), parity_ids=parity_ids,
+                             parity_threshold=g.parity_threshold)
+    for callback in callbacks:
+        if isinstance(callback, PeriodicEval):
+            callback.trainer = trainer
+    resume = resume_checkpoint(run_dir, "grpo")
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    final = save_final_model(trainer, tokenizer, out / "final")
+    failures = rewards.failure_counts()
+    return {"output": str(final), "steps": trainer.state.global_step, "reward_failures": failures,
+            "summary": f"{trainer.state.global_step} steps" + (f" (resumed from {resume.name})" if resume else "")
+                       + (f", reward failures {failures}" if any(sum(v.values()) for v in failures.values()) else "")}
