@@ -65,6 +65,7 @@ class SSEConfig(PreTrainedConfig):
     sse_row_topk: int | None = None
     sse_decay_rank: int = 16
     sse_decay_normalizer: float = 16.0
+    sse_qkv_bias: bool | None = None  # biases on the SSE q/k/v projections; None: as attention_bias
     sse_gate_bias: bool = False  # a bias on g_proj; conversion from Transformers starts the gate at a constant
     sse_balance_loss_coef: float = 0.01
     sse_impl: str = "auto"
@@ -77,6 +78,8 @@ class SSEConfig(PreTrainedConfig):
         self.sse_num_heads = self.sse_num_heads or self.num_attention_heads
         self.sse_key_dim = self.sse_key_dim or self.head_dim
         self.sse_value_dim = self.sse_value_dim or self.head_dim
+        if self.sse_qkv_bias is None:
+            self.sse_qkv_bias = self.attention_bias
         if self.layer_types is None:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         super().__post_init__(**kwargs)

@@ -117,7 +117,7 @@ class SSELayer(nn.Module):
         D = config.hidden_size
         H, c, dv = config.sse_num_heads, config.sse_key_dim, config.sse_value_dim
         self.num_heads, self.key_dim, self.value_dim = H, c, dv
-        bias = config.attention_bias
+        bias = config.sse_qkv_bias
         self.q_proj = nn.Linear(D, H * c, bias=bias)
         self.k_proj = nn.Linear(D, H * c, bias=bias)
         self.v_proj = nn.Linear(D, H * dv, bias=bias)
