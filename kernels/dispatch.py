@@ -1,14 +1,29 @@
 """The one place that picks an SSE implementation. The model and the vLLM backend call only these two."""
+import functools
+import importlib
+import importlib.util
+
 import torch
 
 from kernels.sse import sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
+
+
+def _lazy(module, name):
+    """The Triton paths are imported on first call, so `import kernels` needs neither a GPU nor fla."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
 
 IMPLEMENTATIONS = {
     "reference": sse_reference,
     "chunk_torch_varlen": sse_chunk_varlen,
     "chunk_torch_mask": sse_chunk_mask,
+    "triton_varlen": _lazy("kernels.triton.chunk", "sse_triton_varlen"),
+    "triton_mask": _lazy("kernels.triton.chunk", "sse_triton_mask"),
 }
-DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch}
+DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -42,7 +57,21 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
                              f"got {tuple(initial_state.shape)}")
 
 
-def pick_implementation(device: torch.device) -> str:
+# Tokens per call from which the Triton varlen layout beats the mask one on GPU. Measured on an H200
+# (bench/results/sse_gpu_2026-11-21.md, N = 4, K = 1 + shared, fwd+bwd): mask 1.89 / 4.25 ms, varlen 2.84 /
+# 3.10 ms at 1k / 4k tokens; the lines cross at ~2.4k. Varlen pays a fixed ~2.7 ms (fla's varlen grid sizing
+# synchronises with the host and exposes the launch latency); the mask path's work grows with N + 1.
+TRITON_VARLEN_MIN_TOKENS = 2400
+
+
+@functools.cache
+def _installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def pick_implementation(device: torch.device, num_tokens: int | None = None) -> str:
+    if device.type == "cuda" and _installed("triton", "fla"):
+        return "triton_varlen" if num_tokens is None or num_tokens >= TRITON_VARLEN_MIN_TOKENS else "triton_mask"
     # On CPU the mask layout wins at the small N of the models that train there (bench: kernels/bench_cpu.py).
     return "chunk_torch_mask"
 
@@ -59,7 +88,7 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
                   initial_state, cu_seqlens)
     if impl == "auto":
-        impl = pick_implementation(q.device)
+        impl = pick_implementation(q.device, q.shape[0] * q.shape[1])
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE implementation {impl!r}; known: {sorted(IMPLEMENTATIONS)} or 'auto'")
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
@@ -72,7 +101,7 @@ def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top
                k_shared_logits=None, row_topk=None, scale=None, impl="auto"):
     """One token per sequence; updates rows `slot_ids` of `state` [num_slots, H, N + shared, c, d_v] in place."""
     if impl == "auto":
-        impl = "torch"
+        impl = "triton" if state.device.type == "cuda" and _installed("triton") else "torch"
     if impl not in DECODE_IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE decode implementation {impl!r}; known: {sorted(DECODE_IMPLEMENTATIONS)}")
     return DECODE_IMPLEMENTATIONS[impl](state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
