@@ -55,16 +55,16 @@ class SSEVLLMGeneration(VLLMGeneration):
         os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
         os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
         ensure_master_addr_port()
-        llm = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
-                  logprobs_mode="processed_logprobs")
-        self.llm = SeededLLM(llm, self.seed_base)
+        self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
+                          logprobs_mode="processed_logprobs")
+        self.llm = SeededLLM(self.engine, self.seed_base)  # what TRL's generate() uses
         self._llm_weights_sleeping = False
         self.accelerator.wait_for_everyone()
 
     def sync_weights(self):
         model = self.accelerator.unwrap_model(self.model)
-        push_weights(self.llm, model.named_parameters())
-        drift = logprob_parity(self.llm, model, self.parity_ids)
+        push_weights(self.engine, model.named_parameters())
+        drift = logprob_parity(self.engine, model, self.parity_ids)
         if self.on_parity is not None:
             self.on_parity(drift)
         if not drift <= self.parity_threshold:  # also catches NaN

@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
+from pipeline.faults import fault_point
 from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
 
 
@@ -27,9 +28,11 @@ class AtomicCheckpointsMixin:
 
     The trainer writes `checkpoint-<step>` straight into the output directory; a kill mid-write would leave a
     directory that looks complete. Here it writes into `.partial-checkpoint-<step>/` and renames when done, and
-    `training_step` refuses a non-finite loss before it reaches the optimizer."""
+    `training_step` refuses a non-finite loss before it reaches the optimizer. `stage` names the pipeline stage
+    (for fault points)."""
 
     _staging_dir = None
+    stage = "train"
 
     def _get_output_dir(self, trial):
         return self._staging_dir or super()._get_output_dir(trial)
@@ -44,6 +47,7 @@ class AtomicCheckpointsMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
+        fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
         if self.args.should_save:
             for file in (staging / name).iterdir():
                 with open(file, "rb") as f:
@@ -56,6 +60,7 @@ class AtomicCheckpointsMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        fault_point(f"{self.stage}.step", self.state.global_step + 1, Path(self.args.output_dir).parent)
         if not torch.isfinite(loss).all():
             raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
                                 f"and the last good checkpoint is kept")

@@ -1,6 +1,8 @@
 """Stage `grpo`: TRL's GRPOTrainer with rollouts from the colocated vLLM engine running the SSE-H plugin,
 rewards from the registry, optional evaluation every `grpo.eval_every` steps. Resumes from the stage's last
 complete checkpoint (model, optimizer, scheduler, RNG, data position, step)."""
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -9,6 +11,7 @@ import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from eval.prompts import prompt_token_ids
 from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
+from pipeline.faults import fault_point
 from pipeline.rollouts import SSEVLLMGeneration, engine_kwargs
 from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
                                resume_checkpoint, save_final_model)
@@ -17,6 +20,8 @@ from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCa
 class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, GRPOTrainer):
     """GRPOTrainer whose rollout engine is `SSEVLLMGeneration` (see pipeline/rollouts.py). TRL would build its
     own engine when `use_vllm` is set, so it is constructed with vLLM off and the engine attached after."""
+
+    stage = "grpo"
 
     def __init__(self, *, engine, parity_ids, parity_threshold, **kwargs):
         args = kwargs["args"]
@@ -33,7 +38,8 @@ class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, GRPOTrainer):
         self._last_loaded_step = -1
 
     def _rollout_seed_base(self) -> int:
-        # Distinct for every (seed, step); request i of the step gets base + i.
+        # Called once per generate() of a training rollout. Distinct for every (seed, step); request i gets base + i.
+        fault_point("grpo.rollout", self.state.global_step + 1, Path(self.args.output_dir).parent)
         return (self.args.seed * 1_000_003 + self.state.global_step) * 65_536
 
 

@@ -11,7 +11,7 @@ from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCa
 
 
 class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, SFTTrainer):
-    pass
+    stage = "sft"
 
 
 def run(cfg, run_dir, model_path) -> dict:
