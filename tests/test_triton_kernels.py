@@ -194,6 +194,13 @@ def check_decode():
         touched = torch.zeros(num_slots, P, dtype=torch.bool)
         touched[slots[live]] = selected[live]
         assert torch.equal(cache.transpose(1, 2)[~touched], state.transpose(1, 2)[~touched]), "untouched state moved"
+    # Ties in the row-sparse top-r (common in bf16) keep exactly r rows, the lowest indices.
+    cache = torch.zeros(1, 1, 2, 8, 4)
+    ones, zeros = torch.ones(1, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    sse_decode(cache, torch.tensor([0]), ones, zeros, torch.ones(1, 1, 4), zeros, torch.zeros(1, 1), top_k=1,
+               q_shared=ones, k_shared_logits=zeros, row_topk=3, impl="triton")
+    written = cache[0, 0].abs().sum(-1) > 0
+    assert written[:, :3].all() and not written[:, 3:].any(), written
 
 
 if __name__ == "__main__":
