@@ -72,8 +72,9 @@ def _installed(*modules: str) -> bool:
 def pick_implementation(device: torch.device, num_tokens: int | None = None) -> str:
     if device.type == "cuda" and _installed("triton", "fla"):
         return "triton_varlen" if num_tokens is None or num_tokens >= TRITON_VARLEN_MIN_TOKENS else "triton_mask"
-    # On CPU the mask layout wins at the small N of the models that train there (bench: kernels/bench_cpu.py).
-    return "chunk_torch_mask"
+    # On CPU the varlen layout wins at every size measured: its work grows with K + 1, the mask's with N + 1
+    # (bench/results/sse_cpu_*.json from `python -m kernels.bench_cpu`).
+    return "chunk_torch_varlen"
 
 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
