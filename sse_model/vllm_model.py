@@ -1,0 +1,399 @@
+"""SSE-H for vLLM: Sparse State Expansion layers with per-request state slots, plus paged softmax attention.
+
+Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
+parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj`.
+
+SSE layers are vLLM "mamba-like" layers (`MambaBase`): each declares a float32 state of shape
+[H, N + shared, c, d_v] (DESIGN.md section 3) and vLLM allocates, assigns and frees one slot per request, exactly
+as for its linear-attention models (MiniMax, Bailing). The math is the one `kernels` operator the HF model uses:
+`kernels.sse_attention` (chunkwise, varlen over the prefills of a batch, from and to the slot states) and
+`kernels.sse_decode` (one token per request, slots updated in place).
+"""
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+# Importing the module registers torch.ops.vllm.linear_attention, the opaque custom op (a CUDA-graph splitting
+# op) through which every vLLM linear-attention layer runs its stateful forward; the SSE layer uses it too.
+from vllm.model_executor.layers.mamba.linear import minimax_linear_attn  # noqa: F401
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.qwen2 import Qwen2MLP as SSEMLP
+from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.linear_attn import (LinearAttentionBackend, LinearAttentionMetadata,
+                                                    LinearAttentionMetadataBuilder)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.selector import get_attn_backend
+
+import kernels
+from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
+
+# (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint.
+STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+
+
+def sse_state_shape(config: SSEConfig, tp_size: int) -> tuple[int, int, int, int]:
+    """Per-request state of one SSE layer on one tensor-parallel rank: [H, N + shared, c, d_v]."""
+    return (config.sse_num_heads // tp_size, config.num_sse_partitions_with_shared, config.sse_key_dim,
+            config.sse_value_dim)
+
+
+def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
+    """Refuse, naming the field, a checkpoint this engine cannot run, before any kernel sees it. (SSEConfig
+    itself rejects unknown layer types and head sizes outside the list every platform runs.)"""
+    def bad(field, why):
+        raise ValueError(f"SSEConfig.{field}: {why} (vLLM backend sse_model.vllm_model)")
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if SSE_LAYER in config.layer_types and config.sse_num_heads % tp:
+        bad("sse_num_heads", f"{config.sse_num_heads} is not divisible by tensor_parallel_size={tp}")
+    if ATTENTION_LAYER in config.layer_types:
+        if config.num_attention_heads % tp:
+            bad("num_attention_heads", f"{config.num_attention_heads} is not divisible by tensor_parallel_size={tp}")
+        try:
+            backend = get_attn_backend(config.head_dim, vllm_config.model_config.dtype,
+                                       vllm_config.cache_config.cache_dtype)
+        except ValueError as e:  # no backend at all on this platform
+            bad("head_dim", f"{config.head_dim}: {e}")
+        if not backend.supports_head_size(config.head_dim):
+            bad("head_dim", f"{config.head_dim} is not a head size of this platform's attention backend "
+                f"{backend.get_name()}: {backend.get_supported_head_sizes()}")
+
+
+class SSEAttention(nn.Module):
+    """Softmax attention on vLLM's paged KV cache: RoPE from `rope_parameters`, GQA, optional q/k norms and
+    qkv bias (the HF `SSEAttention`)."""
+
+    def __init__(self, config: SSEConfig, cache_config: CacheConfig | None, prefix: str):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False,
+                                        prefix=f"{prefix}.o_proj")
+        if config.attention_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
+                                   rope_parameters=config.rope_parameters)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                              cache_config=cache_config, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn(q, k, v))
+        return out
+
+
+class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
+    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus zeroed slots for
+    requests that start from scratch.
+
+    A freed slot keeps its last request's state. Zeroing it here, before the forward and from host-side lengths,
+    covers one-token prompts too (the batch split counts them as decodes), costs no device sync, and stays out
+    of any captured CUDA graph; the layer then always continues from its slots. A request resumed from a prefix
+    cache hit has computed tokens and keeps the state vLLM copied into its slot.
+    """
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> LinearAttentionMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        if m.is_prefilling is not None:
+            query_lens = m.query_start_loc_cpu.diff()
+            fresh = m.is_prefilling & (query_lens > 0) & (m.seq_lens_cpu_upper_bound == query_lens)
+            if bool(fresh.any()):
+                rows = fresh.nonzero()[:, 0].to(metadata.state_indices_tensor.device)
+                slots = metadata.state_indices_tensor[rows].long()
+                context = self.vllm_config.compilation_config.static_forward_context
+                for name in self.layer_names:
+                    context[name].kv_cache[0].index_fill_(0, slots, 0.0)
+        return metadata
+
+
+class SSEStateBackend(LinearAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "SSE_STATE"
+
+    @staticmethod
+    def get_builder_cls() -> type[SSEStateMetadataBuilder]:
+        return SSEStateMetadataBuilder
+
+
+class SSELinearAttention(nn.Module, MambaBase):
+    """The SSE layer (DESIGN.md section 3) with its state in vLLM's per-request slots.
+
+    The projections run in the compiled graph and go packed into the opaque custom op, which owns the state:
+    one step's batch holds decodes first (one token each), then prefills. Decodes go through
+    `kernels.sse_decode` on their slots in place; all prefills go through one varlen `kernels.sse_attention`
+    call from their slots' states, which get the final states back, so chunked prefill and prefix-cache hits
+    continue where the previous step stopped (slots of new requests are zeroed by `SSEStateMetadataBuilder`).
+    """
+
+    def __init__(self, config: SSEConfig, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.config, self.prefix = config, prefix
+        tp = get_tensor_model_parallel_world_size()
+        D, H, c, dv = config.hidden_size, config.sse_num_heads, config.sse_key_dim, config.sse_value_dim
+        self.state_shape = sse_state_shape(config, tp)
+        self.num_heads, self.key_dim, self.value_dim = H // tp, c, dv
+        # Names as in the HF SSELayer (q/k/v stacked); head-sized outputs split over tensor-parallel ranks,
+        # the router and low-rank down projections replicated.
+        self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.attention_bias, v_head_size=dv,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.router = ReplicatedLinear(D, config.sse_num_partitions, bias=False, prefix=f"{prefix}.router")
+        self.decay_down = ReplicatedLinear(D, config.sse_decay_rank, bias=False, prefix=f"{prefix}.decay_down")
+        self.decay_up = ColumnParallelLinear(config.sse_decay_rank, H * c, bias=True, prefix=f"{prefix}.decay_up")
+        self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
+        if self.lora:
+            r = config.sse_lora_rank
+            self.q_shared_down = ReplicatedLinear(D, r, bias=False, prefix=f"{prefix}.q_shared_down")
+            self.q_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.q_shared_up")
+            self.k_shared_down = ReplicatedLinear(D, r, bias=False, prefix=f"{prefix}.k_shared_down")
+            self.k_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.k_shared_up")
+        self.g_proj = ColumnParallelLinear(D, H * dv, bias=config.sse_gate_bias, prefix=f"{prefix}.g_proj")
+        self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
+        # Packed operator inputs, in model dtype: q, k, v, decay logits, router logits, [q_shared, k_shared].
+        Hc = self.num_heads * c
+        self.packed_sizes = [Hc, Hc, self.num_heads * dv, Hc, config.sse_num_partitions]
+        self.packed_sizes += [Hc, Hc] if config.sse_shared_partition else []
+        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk)
+        self.prefill_impl = config.sse_impl
+        self.decode_impl = config.sse_decode_impl
+
+        # Mamba-like layers are not registered by vLLM itself; without this entry the layer gets no state.
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    # MambaBase: what vLLM allocates per request for this layer, and who builds its metadata.
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR  # one state, copied whole between prefix-cache blocks
+
+    def get_state_shape(self) -> tuple[tuple[int, ...]]:
+        return (self.state_shape,)
+
+    def get_state_dtype(self) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    def get_attn_backend(self) -> type[SSEStateBackend]:
+        return SSEStateBackend
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The HF `SSELayer.forward` on vLLM's batch layout: x [T, D] -> [T, D]."""
+        T = hidden_states.shape[0]
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, _ = qkv.split(self.packed_sizes[:3], -1)
+        decay, _ = self.decay_up(self.decay_down(hidden_states)[0])
+        router, _ = self.router(hidden_states)
+        packed = [qkv, decay, router]
+        if self.config.sse_shared_partition:
+            q_shared, k_shared = q, k
+            if self.lora:
+                q_shared = q + self.q_shared_up(self.q_shared_down(hidden_states)[0])[0]
+                k_shared = k + self.k_shared_up(self.k_shared_down(hidden_states)[0])[0]
+            packed += [q_shared, k_shared]
+        o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
+        torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
+        gate, _ = self.g_proj(hidden_states)
+        out, _ = self.o_proj((self.o_norm(o) * F.silu(gate).view_as(o)).view(T, -1))
+        return out
+
+    def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
+        """The custom op's body: `hidden_states` are the packed inputs, `output` gets o [T, H, d_v]."""
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling / dummy run: no slots
+            return
+        metadata = metadata[self.prefix]
+        num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
+        parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
+        heads = lambda t: t.view(num_tokens, self.num_heads, -1)  # noqa: E731
+        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4],
+                      log_decay=heads(F.logsigmoid(parts[3].float())) / self.config.sse_decay_normalizer)
+        if self.config.sse_shared_partition:
+            inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
+        output[:num_tokens] = self._recur(inputs, metadata)
+
+    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata) -> torch.Tensor:
+        state = self.kv_cache[0]                       # [num_slots, H, N + shared, c, d_v] float32
+        slots = metadata.state_indices_tensor
+        nd, npf = metadata.num_decodes, metadata.num_prefills
+        parts = []
+        if nd:
+            step = {name: t[:nd] for name, t in inputs.items()}
+            parts.append(kernels.sse_decode(state, slots[:nd], **step, **self.ops, impl=self.decode_impl))
+        if npf:
+            qsl = metadata.query_start_loc[nd:nd + npf + 1]
+            prefill_slots = slots[nd:nd + npf].long()
+            prefill = {name: t[nd:][None] for name, t in inputs.items()}
+            o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots],
+                                             output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
+                                             impl=self.prefill_impl)
+            state[prefill_slots] = final.to(state.dtype)
+            parts.append(o[0])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class SSEDecoderLayer(nn.Module):
+    def __init__(self, config: SSEConfig, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.layer_type = config.layer_types[extract_layer_index(prefix)]
+        if self.layer_type == SSE_LAYER:
+            self.linear_attn = SSELinearAttention(config, vllm_config, prefix=f"{prefix}.linear_attn")
+        else:
+            self.self_attn = SSEAttention(config, vllm_config.cache_config, prefix=f"{prefix}.self_attn")
+        self.mlp = SSEMLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == SSE_LAYER:
+            mixed = self.linear_attn(hidden_states, positions)
+        else:
+            mixed = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(hidden_states), residual
+
+
+@support_torch_compile
+class SSEModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda prefix: SSEDecoderLayer(config, vllm_config, prefix),
+            prefix=f"{prefix}.layers")
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_servable(config, vllm_config)
+        self.config = config
+        self.model = SSEModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self._serving = False
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # IsHybrid: asked before the layers exist, so computed from the config alone.
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
+        return (sse_state_shape(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size),)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        return MambaStateCopyFuncCalculator.linear_attention_state_copy_func()
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level hook after the first load; from now on weights change only through a reload."""
+        self._serving = True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors. On a serving engine only inside vLLM's layerwise reload
+        (`sse_model.vllm_sync.push_weights`): a plain call there would write into tensors some kernels no longer
+        read (the CPU build computes Linear layers and the lm_head from packed copies) and go stale silently."""
+        if self._serving and not get_layerwise_info(self).can_load():
+            raise RuntimeError("SSEForCausalLM.load_weights on a serving engine must run inside vLLM's "
+                               "reload_weights; use sse_model.vllm_sync.push_weights(llm, named_tensors)")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        tied = self.config.tie_word_embeddings
+        loaded = set()
+
+        def load(target, tensor, *shard):
+            if target not in params:
+                raise KeyError(f"no parameter {target!r} in the vLLM SSE model for checkpoint tensor {name!r}")
+            param = params[target]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
+            loaded.add(target)
+
+        for name, tensor in weights:
+            if tied and name == "lm_head.weight":
+                continue  # the head is the embedding
+            for param_name, weight_name, shard in STACKED_PARAMS:
+                if weight_name in name:
+                    load(name.replace(weight_name, param_name), tensor, shard)
+                    break
+            else:
+                load(name, tensor)
+            if tied and name == "model.embed_tokens.weight":
+                # The head shares the embedding's Parameter but is a layer of its own, which a reload restores,
+                # loads and repacks (CPU build) separately: it must get the tensor too or it keeps the old one.
+                load("lm_head.weight", tensor)
+        return loaded

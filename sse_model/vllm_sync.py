@@ -1,0 +1,58 @@
+"""Weight sync from a trainer into a live vLLM engine serving an SSE-H checkpoint, and a parity probe.
+
+    push_weights(llm, model.named_parameters())           # after every optimizer step
+    assert logprob_parity(llm, model, probe_ids) < 1e-3     # cheap check that vLLM scores like the trainer
+
+Why not TRL's default (`model.load_weights([(name, tensor)])` one tensor at a time): vLLM processes weights after
+loading. Its CPU build repacks every Linear weight for its GEMM kernels and computes from the packed copy (the
+lm_head keeps its Parameter, so writing into it succeeds and changes nothing). `push_weights` goes through
+vLLM's layerwise `reload_weights` instead, which restores the loadable parameters, loads every layer and
+re-runs that processing, so each kernel reads the new weights on every platform. The vLLM model refuses plain
+`load_weights` calls on a serving engine, so the stale path fails loudly rather than silently.
+"""
+from collections.abc import Iterable
+
+import torch
+
+
+def expected_names(config) -> set[str]:
+    """The tensor names a full push must carry: the HF model's parameters (the tied head is the embedding)."""
+    from sse_model.modeling_sse import SSEForCausalLM
+
+    with torch.device("meta"):
+        return {name for name, _ in SSEForCausalLM(config).named_parameters()}
+
+
+def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load a full set of HF-named tensors into `llm` (a `vllm.LLM` serving an SSE-H checkpoint) and drop its
+    prefix cache, whose KV and SSE states came from the old weights.
+
+    The iterable is consumed before loading, so tensors gathered on the fly (ZeRO-3, FSDP) must stay valid until
+    this returns (push inside the gather context, or pass clones). Raises ValueError, loading nothing, if a
+    name is missing or unknown: a partial push would leave those weights stale.
+    """
+    weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+    config = llm.llm_engine.model_config.hf_config
+    want, got = expected_names(config), {name for name, _ in weights}
+    if config.tie_word_embeddings:
+        got.discard("lm_head.weight")  # a state_dict of a tied model may carry it; the embedding is the head
+    if got != want:
+        raise ValueError(f"push_weights needs exactly the model's parameters: missing {sorted(want - got)}, "
+                         f"unknown {sorted(got - want)}")
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def logprob_parity(llm, hf_model, token_ids: list[int]) -> float:
+    """Max |logprob difference| between vLLM and `hf_model` over the tokens of `token_ids` (each scored given
+    the ones before it). Drift means the engine computes with other weights or other math than the trainer."""
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": list(token_ids)}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ours = torch.tensor([position[token].logprob for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])])
+    param = next(hf_model.parameters())
+    logits = hf_model(torch.tensor([token_ids], device=param.device)).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids[1:], device=param.device)[:, None])
+    return float((ours - theirs[:, 0].cpu()).abs().max())

