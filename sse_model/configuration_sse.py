@@ -69,6 +69,7 @@ class SSEConfig(PreTrainedConfig):
     sse_gate_bias: bool = False  # a bias on g_proj; conversion from Transformers starts the gate at a constant
     sse_balance_loss_coef: float = 0.01
     sse_impl: str = "auto"
+    sse_decode_impl: str = "auto"  # kernels.sse_decode implementation (HF generate and the vLLM backend)
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:

@@ -165,7 +165,8 @@ class SSELayer(nn.Module):
         if state is not None and x.shape[1] == 1:
             step = {name: t[:, 0] for name, t in inputs.items()}
             slots = torch.arange(x.shape[0], device=x.device)
-            o = kernels.sse_decode(state, slots, **step, **common)[:, None]   # updates the cached state in place
+            # updates the cached state in place
+            o = kernels.sse_decode(state, slots, **step, **common, impl=self.config.sse_decode_impl)[:, None]
         else:
             o, final = kernels.sse_attention(**inputs, **common, initial_state=state, output_final_state=cache is not None,
                                              cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
