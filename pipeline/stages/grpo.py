@@ -38,9 +38,11 @@ class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, GRPOTrainer):
         self._last_loaded_step = -1
 
     def _rollout_seed_base(self) -> int:
-        # Called once per generate() of a training rollout. Distinct for every (seed, step); request i gets base + i.
+        # Called once per generate() of a training rollout. Distinct for every (seed, step, rank): each rank's
+        # engine samples its own share of a prompt's copies. Request i gets base + i.
         fault_point("grpo.rollout", self.state.global_step + 1, Path(self.args.output_dir).parent)
-        return (self.args.seed * 1_000_003 + self.state.global_step) * 65_536
+        step_seed = (self.args.seed * 1_000_003 + self.state.global_step) * 1024 + self.accelerator.process_index
+        return step_seed % 2**40 * 65_536  # below 2**56: torch generators take 64-bit seeds
 
 
 class PeriodicEval(TrainerCallback):
@@ -73,7 +75,9 @@ def run(cfg, run_dir, model_path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     dataset, skipped = filter_long_prompts(load_rl_dataset(cfg.data.grpo), tokenizer, g.max_prompt_length,
                                            g.long_prompts)
-    run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
+    resume = resume_checkpoint(run_dir, "grpo")
+    if resume is None:  # a resumed stage keeps the row its first attempt logged
+        run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
     funcs, weights = rewards.build_rewards(g.rewards)
     args = GRPOConfig(
         **common_training_args(cfg, g, out),
@@ -104,7 +108,6 @@ def run(cfg, run_dir, model_path) -> dict:
     for callback in callbacks:
         if isinstance(callback, PeriodicEval):
             callback.trainer = trainer
-    resume = resume_checkpoint(run_dir, "grpo")
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     final = save_final_model(trainer, tokenizer, out / "final")
     failures = rewards.failure_counts()
