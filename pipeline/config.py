@@ -166,6 +166,9 @@ class EvalSettings:
     top_p: float = 0.7
     max_tokens: int = 32768
     limit: int | None = None  # first N problems of each dataset
+    # Which models the eval stage scores: "last" (the newest model of the run), or stage names whose model to
+    # compare (e.g. [init, sft, grpo]: untrained, after SFT, after GRPO).
+    models: list[Literal["last", "init", "convert", "sft", "grpo"]] = field(default_factory=lambda: ["last"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -423,6 +426,10 @@ def _check(cfg: Config) -> None:
     require(0 <= cfg.sft.warmup_ratio < 1, "sft.warmup_ratio", f"must be in [0, 1), got {cfg.sft.warmup_ratio}")
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
+    before_eval = stages[:stages.index("eval")] if "eval" in stages else stages
+    for i, model in enumerate(cfg.eval.models):
+        require(model == "last" or model in before_eval, f"eval.models[{i}]",
+                f"{model!r} is not a stage that runs before eval in this config ({', '.join(stages)})", ["stages"])
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
             require(entry in EVAL_PRESETS, f"data.eval[{i}]",

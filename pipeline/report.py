@@ -82,9 +82,11 @@ def write_report(run_dir) -> None:
     for stage, entry in manifest.items():
         summary = entry.get("summary") or entry.get("error") or ""
         lines.append(f"| {stage} | {entry['state']} | {entry.get('seconds', '')} | {summary} |")
-    eval_table = run_dir.stage_dir("eval") / "results.md"
-    if eval_table.exists():
-        lines += ["", "## Evaluation", "", eval_table.read_text().strip()]
+    eval_dir = run_dir.stage_dir("eval")
+    tables = sorted(eval_dir.glob("results.md")) + sorted(eval_dir.glob("*/results.md"))
+    for table in tables:
+        label = "" if table.parent == eval_dir else f" of the `{table.parent.name}` model"
+        lines += ["", f"## Evaluation{label}", "", table.read_text().strip()]
     for title, file in images:
         lines += ["", f"## {title}", "", f"![{title}]({file})"]
     lines += ["", f"Metrics: `metrics.jsonl`; resolved config: `config.yaml`; manifest: `manifest.json`.", ""]

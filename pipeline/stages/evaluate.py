@@ -1,5 +1,6 @@
-"""Stage `eval`: avg@n (and pass@k, maj@n, lengths) of the last model on `data.eval`, through vLLM with the
-SSE-H plugin. Resumes without regenerating finished problems."""
+"""Stage `eval`: avg@n (and pass@k, maj@n, lengths) on `data.eval` through vLLM with the SSE-H plugin, for the
+newest model of the run or for several stages' models side by side (`eval.models`). Resumes without
+regenerating finished problems."""
 import os
 
 from eval.runner import build_llm, evaluate
@@ -10,19 +11,28 @@ def eval_specs(cfg) -> list:
     return list(cfg.data.eval)
 
 
+def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
+    """{label: model directory}: "last" is the model the stage was handed, a stage name that stage's output."""
+    return {name: last_model if name == "last" else run_dir.stage_output(name) for name in cfg.eval.models}
+
+
 def run(cfg, run_dir, model_path) -> dict:
     e, v = cfg.eval, cfg.grpo.vllm
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts in seconds
     if v.kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
-
-    def engine():
-        return build_llm(model_path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization)
-
-    results = evaluate(engine, eval_specs(cfg), run_dir.stage_dir("eval"), n=e.n, temperature=e.temperature,
-                       top_p=e.top_p, max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=model_path)
     headline = f"avg@{e.n}"
-    run_dir.log_metrics("eval", 0, {f"{name}/{key}": value for name, m in results.items()
-                                    for key, value in m.items() if isinstance(value, (int, float))})
-    return {"output": None, "results": {name: m.get(headline) for name, m in results.items()},
-            "summary": ", ".join(f"{name} {headline} {m.get(headline, float('nan')):.3f}"
-                                 for name, m in results.items())}
+    results, summary = {}, []
+    for label, path in models_to_score(cfg, run_dir, model_path).items():
+        def engine(path=path):
+            return build_llm(path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization)
+
+        out = run_dir.stage_dir("eval") if cfg.eval.models == ["last"] else run_dir.stage_dir("eval") / label
+        scores = evaluate(engine, eval_specs(cfg), out, n=e.n, temperature=e.temperature, top_p=e.top_p,
+                          max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=path)
+        prefix = "" if label == "last" else f"{label}/"
+        run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores.items()
+                                        for key, value in m.items() if isinstance(value, (int, float))})
+        results[label] = {name: m.get(headline) for name, m in scores.items()}
+        summary += [f"{prefix}{name} {headline} {m.get(headline, float('nan')):.3f}" for name, m in scores.items()]
+    return {"output": None, "results": results, "summary": ", ".join(summary)}

@@ -1,0 +1,74 @@
+"""The whole pipeline, shortened: `sse-rl run` on the tiny config with every stage (init, sft, grpo, eval), real
+Ray, real TRL trainers and real vLLM CPU rollouts through the SSE plugin (issue 6)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = [
+    "sft.max_steps=6", "sft.save_steps=3", "sft.logging_steps=2",
+    "grpo.steps=3", "grpo.save_steps=3",
+    "data.sft.generator.num_examples=400", "data.grpo.generator.num_examples=200",
+    "eval.n=2", "eval.limit=6",
+]
+
+
+def sse_rl(*args, timeout=900):
+    return subprocess.run([str(Path(sys.executable).with_name("sse-rl")), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(tmp_path):
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", *sum([["--set", s] for s in SHORT], []))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = tmp_path / "tiny"
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [s for s, e in manifest["stages"].items() if e["state"] == "done"] == ["init", "sft", "grpo", "eval"]
+    assert manifest["stages"]["grpo"]["output"] == str(run / "grpo" / "final")
+    for stage, steps in (("sft", 6), ("grpo", 3)):
+        assert (run / stage / f"checkpoint-{steps}" / "trainer_state.json").exists()
+        assert not list((run / stage).glob(".partial-*")), "a partial checkpoint was left behind"
+        assert (run / stage / "final" / "model.safetensors").exists()
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sft = [m for m in metrics if m["stage"] == "sft" and "loss" in m]
+    grpo = [m for m in metrics if m["stage"] == "grpo" and "reward" in m]
+    assert sft and all(m["loss"] > 0 for m in sft)
+    assert [m["step"] for m in grpo] == [1, 2, 3]
+    for m in grpo:
+        assert 0.0 <= m["rewards/math_accuracy/mean"] <= 1.0
+        assert m["vllm_parity"] < 0.05, "vLLM scores a fixed sequence differently from the trainer after a push"
+        assert m["completions/mean_length"] > 0
+        assert any(k.startswith("partition_usage/") for k in m)
+
+    for model in ("init", "sft", "grpo"):  # the tiny config compares untrained, SFT and GRPO models
+        results = json.loads((run / "eval" / model / "metrics.json").read_text())
+        assert results["arith-test"]["num_problems"] == 6 and "avg@2" in results["arith-test"]
+    report = (run / "report.md").read_text()
+    for image in ("sft_loss.png", "grpo_reward.png", "partition_usage.png"):
+        assert image in report and (run / image).stat().st_size > 1000
+    assert "Evaluation of the `grpo` model" in report and "arith-test" in report
+
+    again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", *sum([["--set", s] for s in SHORT], []))
+    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4, again.stdout[-2000:]
+
+
+def test_run_refuses_a_changed_config_for_an_existing_run(tmp_path):
+    first = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init]",
+                   "--set", "data.sft.generator.num_examples=50")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init]",
+                    "--set", "data.sft.generator.num_examples=60")
+    assert second.returncode == 1
+    assert "started with another config (differs at data.sft.generator.num_examples)" in second.stderr
+
+
+def test_bad_config_fails_before_any_work(tmp_path):
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "sft.learning_rat=1")
+    assert out.returncode == 1 and "sft.learning_rat" in out.stderr
+    assert not (tmp_path / "tiny").exists()
