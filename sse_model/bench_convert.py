@@ -9,7 +9,7 @@ For each, the conversion (one attention layer in every six kept) is compared wit
   hidden states (text the source samples itself, another seed than calibration),
 - hidden cosine: per layer, the converted model's residual stream vs the source's on the same text,
 - perplexity on held-out generated text, with ablations of the initialisation (docs/conversion.md).
-Writes bench/results/convert_<date>_<host>.{json,md}.
+Writes bench/results/convert_<date>_<host>_<families>.{json,md}.
 """
 import argparse
 import copy
@@ -117,7 +117,8 @@ def train(model, tokenizer, seconds: float, seed: int = 0, batch: int = 16, leng
         losses.append(loss.item())
         step += 1
     model.eval()
-    return dict(steps=step, seconds=round(time.time() - start, 1), final_loss=round(sum(losses[-20:]) / 20, 3))
+    tail = losses[-20:]
+    return dict(steps=step, seconds=round(time.time() - start, 1), final_loss=round(sum(tail) / len(tail), 3))
 
 
 @torch.no_grad()
@@ -209,9 +210,8 @@ def measure(name: str, src_dir: Path, workdir: Path, heldout, calibration_tokens
 def markdown(report: dict) -> str:
     lines = [f"# Conversion benchmark ({report['date']}, {report['machine']['host']})", "",
              f"Machine: {report['machine']['cpu']}, {report['machine']['threads']} torch threads, load average "
-             f"{report['machine']['load_before']} before / {report['machine']['load_after']} after (shared machine: "
-             f"other jobs ran beside this one). torch {report['machine']['torch']}, transformers "
-             f"{report['machine']['transformers']}.", "",
+             f"{report['machine']['load_before']} before / {report['machine']['load_after']} after. torch "
+             f"{report['machine']['torch']}, transformers {report['machine']['transformers']}.", "",
              "Sources are tiny local models (no network): random weights, or trained on the CPU on generated text "
              "(see `sse_model/bench_convert.py`). One attention layer in every six kept; the rest are SSE layers "
              f"(N=4, K=1, shared partition, LoRA 64), calibrated on {report['calibration_tokens']} tokens the source "
@@ -248,7 +248,8 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     import transformers
-    return dict(host=platform.node(), cpu=f"{cpu} x{os.cpu_count()}", threads=torch.get_num_threads(),
+    cores = f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} cores usable"
+    return dict(host=platform.node(), cpu=f"{cpu}, {cores}", threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__,
                 load_before=round(os.getloadavg()[0], 1))
 
@@ -284,7 +285,7 @@ def main(argv=None):
     report["machine"]["load_after"] = round(os.getloadavg()[0], 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"convert_{datetime.datetime.now():%Y%m%d-%H%M}_{platform.node()}"
+    stem = out / f"convert_{datetime.datetime.now():%Y%m%d-%H%M}_{platform.node()}_{args.families.replace(',', '-')}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     stem.with_suffix(".md").write_text(markdown(report))
     print(f"wrote {stem}.json and {stem}.md")

@@ -11,17 +11,23 @@ How an SSE layer is initialised, and why (measurements: docs/conversion.md, `pyt
 - W_q, W_k, W_v, W_o come from the attention; grouped-query K/V heads are repeated so that SSE query head h uses
   the K/V head attention head h used. Qwen3's q/k RMSNorm weights are folded into the rows of W_q / W_k; the
   per-token normalisation itself is dropped: the SSE output is normalised per head anyway (o_norm), which makes the
-  scale of q irrelevant, and the key logits' scale is a free temperature of the key softmax.
-- There is no exact equivalence: attention weighs token s by exp(q.R k_s), SSE by q . (decayed softmax(k_s)), with
-  no RoPE. What can be matched cheaply is where each head looks (recent tokens or the whole past) and how large its
-  output is, so these two are fitted on calibration text that the source model samples itself (no data set needed):
+  scale of q irrelevant (but for the query offset below), and the key logits' scale is a free temperature of the
+  key softmax.
+- There is no exact equivalence: attention weighs token s by softmax_s(q . R k_s) (positive, RoPE), SSE by
+  q . (decayed softmax-over-rows(k_s)) (any sign, no RoPE). Three things can be matched cheaply, and are fitted per
+  SSE layer on calibration text that the source model samples itself (no data set needed):
+  * query offset: QUERY_OFFSET x the head's query std is added to the q bias (hence `sse_qkv_bias`), so every read
+    weight gets a positive part, as in the "1 + q.k" expansion of exp(q.k) that linear attention rests on; without
+    it the sign of q . k_s flips from token to token where attention weights never do.
   * decay: the decay gate starts input-independent (decay_up weight 0) with a per-head bias picked from
-    DECAY_BIASES (half-lives of about 3 tokens to about 45k tokens) as the one whose SSE output has the highest
-    cosine similarity to that head's attention output.
-  * output gate: g_proj weight 0 and bias b with silu(b) equal to the RMS of the attention output of that head
-    channel divided by the RMS of the normalised SSE output, so silu(g) is constant and the layer's output has the
-    attention's scale (o_norm weight 1). Needs the `sse_gate_bias` config field (g_proj bias).
-  With calibration off (`calibration_tokens=0`) the heads get the candidate decays in turn and silu(g) = 1.
+    DECAY_BIASES (half-lives of 3 to 12k tokens) as the one whose SSE output has the highest cosine similarity to
+    that head's attention output: local heads get short memories, global heads long ones.
+  * output gate: g_proj weight 0 and bias b with silu(b) = RMS of the attention output / RMS of the normalised SSE
+    output, per channel, so silu(g) is constant and the layer's output has the attention's scale (o_norm weight 1;
+    `sse_gate_bias` gives g_proj its bias).
+  With calibration off (`calibration_tokens=0`) there is no offset, the heads take the candidate decays in turn and
+  silu(g) = 1. Measured alternatives that did worse (decay near 1 for every head, least-squares output scales, a
+  normalised key temperature, larger offsets) are in docs/conversion.md.
 - The router is small and random (std `initializer_range`): near-uniform routing weights, but top-K choices that
   differ between tokens, so the partitions do not start as copies that get identical gradients.
 - LoRA of the shared partition: down-projections small random, up-projections 0, so the shared partition starts
@@ -48,8 +54,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # RoPE variants whose frequencies are fixed at load time; SSE-H's attention does not recompute them per sequence.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Decay-gate biases tried per head: log a = logsigmoid(b) / 16 gives half-lives of about 3, 11, 45, 370, 2.3k and
-# 45k tokens, from a local head to one that remembers the whole context.
+# Decay-gate biases tried per head: log a = logsigmoid(b) / 16 gives half-lives of about 3, 5, 16, 90, 600 and
+# 12k tokens, from a local head to one that remembers the whole context.
 DECAY_BIASES = (-4.0, -2.0, 0.0, 2.0, 4.0, 7.0)
 # Files copied verbatim so the converted checkpoint tokenizes, chats and generates like the source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -151,10 +157,12 @@ def init_sse_layer(layer: SSELayer, attn, config: SSEConfig, generator: torch.Ge
     layer.k_proj.weight.copy_(expand(attn.k_proj.weight) * k_scale[:, None])
     layer.v_proj.weight.copy_(expand(attn.v_proj.weight))
     layer.o_proj.weight.copy_(attn.o_proj.weight)
-    has_bias = attn.q_proj.bias is not None
-    layer.q_proj.bias.copy_(attn.q_proj.bias * q_scale if has_bias else 0 * ones)
-    layer.k_proj.bias.copy_(expand(attn.k_proj.bias) * k_scale if has_bias else 0 * ones)
-    layer.v_proj.bias.copy_(expand(attn.v_proj.bias) if has_bias else 0 * ones)
+    if attn.q_proj.bias is None:  # the SSE layer has q/k/v biases anyway: calibration offsets the queries
+        layer.q_proj.bias.zero_(), layer.k_proj.bias.zero_(), layer.v_proj.bias.zero_()
+    else:
+        layer.q_proj.bias.copy_(attn.q_proj.bias * q_scale)
+        layer.k_proj.bias.copy_(expand(attn.k_proj.bias) * k_scale)
+        layer.v_proj.bias.copy_(expand(attn.v_proj.bias))
     for p in (layer.router.weight, layer.decay_down.weight, *[getattr(layer, f"{n}_shared_down").weight
               for n in ("q", "k") if hasattr(layer, "q_shared_down")]):
         p.copy_(torch.randn(p.shape, generator=generator) * config.initializer_range)
@@ -233,7 +241,7 @@ def attention_activations(source, ids: torch.Tensor, layers) -> dict[int, tuple]
     for i in layers:
         attn = source.model.layers[i].self_attn
         hooks.append(attn.register_forward_pre_hook(
-            lambda m, args, kwargs, i=i: seen.__setitem__((i, "x"), kwargs["hidden_states"] if args == () else args[0]),
+            lambda m, args, kwargs, i=i: seen.__setitem__((i, "x"), args[0] if args else kwargs["hidden_states"]),
             with_kwargs=True))
         hooks.append(attn.o_proj.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__((i, "o"), args[0])))
     try:
@@ -321,7 +329,7 @@ def convert_main(argv=None) -> int:
     parser.add_argument("--to", dest="dst", required=True, help="output directory for the sse_hybrid checkpoint")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--attention-layers", type=parse_layers, help="indices kept as softmax attention, e.g. 5,11,17")
-    which.add_argument("--attention-every", type=int, default=6, help="keep layers every-1, 2*every-1, ... (default 6)")
+    which.add_argument("--attention-every", type=int, default=6, help="keep one attention layer in every N: indices N-1, 2N-1, ... (default 6)")
     parser.add_argument("--partitions", type=int, default=4, help="SSE partitions N (default 4)")
     parser.add_argument("--top-k", type=int, default=1, help="partitions selected per token K (default 1)")
     parser.add_argument("--lora-rank", type=int, default=64, help="shared-partition LoRA rank (default 64)")
