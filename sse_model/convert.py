@@ -280,6 +280,8 @@ def local_checkpoint(src: str) -> Path:
     """A local directory holding `src`: the path itself, or the hub snapshot of a model id."""
     if Path(src).is_dir():
         return Path(src)
+    if src.startswith((".", "/", "~")) or src.count("/") != 1:
+        raise FileNotFoundError(f"{src} is neither a checkpoint directory nor a hub model id (org/name)")
     from huggingface_hub import snapshot_download
     return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
 
@@ -344,7 +346,7 @@ def convert_main(argv=None) -> int:
         convert(args.src, args.dst, attention_every=args.attention_every, attention_layers=args.attention_layers,
                 partitions=args.partitions, top_k=args.top_k, lora_rank=args.lora_rank, row_topk=args.row_topk,
                 calibration_tokens=args.calibration_tokens, seed=args.seed, device=args.device)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input, a missing checkpoint or an unreachable hub
         parser.exit(2, f"sse-rl convert: error: {err}\n")
     return 0
 

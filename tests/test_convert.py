@@ -138,6 +138,11 @@ def test_cli(sources, tmp_path, capsys):
     assert exit_.value.code == 2
     assert ("sse-rl convert: error: attention layer index 9 is out of range for a model with 4 layers (valid: 0 to 3)"
             in capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_:
+        convert_main(["--from", str(tmp_path / "missing"), "--to", str(tmp_path / "bad")])
+    assert exit_.value.code == 2
+    assert (f"sse-rl convert: error: {tmp_path / 'missing'} is neither a checkpoint directory nor a hub model id "
+            "(org/name)" in capsys.readouterr().err)
     with pytest.raises(SystemExit):  # one way of choosing layers at a time
         convert_main(["--from", str(path), "--to", str(tmp_path / "bad"), "--attention-layers", "1",
                       "--attention-every", "2"])
