@@ -331,7 +331,8 @@ def convert_main(argv=None) -> int:
     parser.add_argument("--to", dest="dst", required=True, help="output directory for the sse_hybrid checkpoint")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--attention-layers", type=parse_layers, help="indices kept as softmax attention, e.g. 5,11,17")
-    which.add_argument("--attention-every", type=int, default=6, help="keep one attention layer in every N: indices N-1, 2N-1, ... (default 6)")
+    which.add_argument("--attention-every", type=int, default=6,
+                       help="keep one attention layer in every N: indices N-1, 2N-1, ... (default 6)")
     parser.add_argument("--partitions", type=int, default=4, help="SSE partitions N (default 4)")
     parser.add_argument("--top-k", type=int, default=1, help="partitions selected per token K (default 1)")
     parser.add_argument("--lora-rank", type=int, default=64, help="shared-partition LoRA rank (default 64)")

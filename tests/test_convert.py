@@ -30,7 +30,7 @@ SMALL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_di
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """{family: (path, model)}: random float32 checkpoints with GQA, a tokenizer, chat template and generation config."""
+    """{family: (path, model)}: random float32 checkpoints with GQA, tokenizer, chat template, generation config."""
     root = tmp_path_factory.mktemp("sources")
     return {family: (root / family, tiny_source(family, root / family, seed=i, **SMALL, **overrides))
             for i, (family, overrides) in enumerate(SOURCES.items())}
