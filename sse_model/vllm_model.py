@@ -173,7 +173,7 @@ class SSELinearAttention(nn.Module, MambaBase):
         self.num_heads, self.key_dim, self.value_dim = H // tp, c, dv
         # Names as in the HF SSELayer (q/k/v stacked); head-sized outputs split over tensor-parallel ranks,
         # the router and low-rank down projections replicated.
-        self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.attention_bias, v_head_size=dv,
+        self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.sse_qkv_bias, v_head_size=dv,
                                           prefix=f"{prefix}.qkv_proj")
         self.router = ReplicatedLinear(D, config.sse_num_partitions, bias=False, prefix=f"{prefix}.router")
         self.decay_down = ReplicatedLinear(D, config.sse_decay_rank, bias=False, prefix=f"{prefix}.decay_down")

@@ -15,32 +15,36 @@ from collections.abc import Iterable
 import torch
 
 
-def expected_names(config) -> set[str]:
-    """The tensor names a full push must carry: the HF model's parameters (the tied head is the embedding)."""
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The tensors a full push must carry: the HF model's parameters (a tied head is the embedding)."""
     from sse_model.modeling_sse import SSEForCausalLM
 
     with torch.device("meta"):
-        return {name for name, _ in SSEForCausalLM(config).named_parameters()}
+        return {name: tuple(p.shape) for name, p in SSEForCausalLM(config).named_parameters()}
 
 
 def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load a full set of HF-named tensors into `llm` (a `vllm.LLM` serving an SSE-H checkpoint) and drop its
-    prefix cache, whose KV and SSE states came from the old weights.
+    """Load a full set of HF-named tensors into `llm` (a `vllm.LLM` serving an SSE-H checkpoint, no request in
+    flight) and drop its prefix cache, whose KV and SSE states came from the old weights.
 
     The iterable is consumed before loading, so tensors gathered on the fly (ZeRO-3, FSDP) must stay valid until
-    this returns (push inside the gather context, or pass clones). Raises ValueError, loading nothing, if a
-    name is missing or unknown: a partial push would leave those weights stale.
+    this returns (push inside the gather context, or pass clones). A missing, unknown or misshapen tensor raises
+    ValueError before anything is loaded: a partial push would leave weights stale, a failed one half-loaded.
     """
     weights = [(name, tensor.detach()) for name, tensor in named_tensors]
     config = llm.llm_engine.model_config.hf_config
-    want, got = expected_names(config), {name for name, _ in weights}
+    want = expected_shapes(config)
+    got = {name: tuple(tensor.shape) for name, tensor in weights}
     if config.tie_word_embeddings:
-        got.discard("lm_head.weight")  # a state_dict of a tied model may carry it; the embedding is the head
+        got.pop("lm_head.weight", None)  # a state_dict of a tied model may carry it; the embedding is the head
     if got != want:
-        raise ValueError(f"push_weights needs exactly the model's parameters: missing {sorted(want - got)}, "
-                         f"unknown {sorted(got - want)}")
+        wrong = sorted(n for n in got.keys() & want.keys() if got[n] != want[n])
+        raise ValueError(f"push_weights needs exactly the model's parameters: missing {sorted(want.keys() - got.keys())}, "
+                         f"unknown {sorted(got.keys() - want.keys())}, wrong shape {wrong}")
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
-    llm.reset_prefix_cache()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("push_weights: vLLM could not reset its prefix cache (requests still running?); cached "
+                           "KV and SSE states from the old weights would be reused")
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ vLLM engines run in one worker subprocess (this file run as a script): in-proces
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what TRL's colocate mode uses) start in seconds, but leave process-wide
 state behind (distributed groups, torch thread settings), so they stay out of pytest's process. The worker holds
 every engine for the whole module and answers (command, args) messages; the references are computed here.
-`vllm serve` runs as its own process, started at the top of the module so its ~30 s start overlaps the rest.
+The OpenAI server runs as its own process, started at the top of the module so its ~30 s start overlaps the rest.
 """
 import copy
 import importlib.metadata
@@ -38,12 +38,12 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_ke
             sse_num_heads=2, sse_key_dim=32, sse_value_dim=32, sse_lora_rank=8, max_position_embeddings=1024,
             initializer_range=0.05)
 CONFIGS = {
-    # hybrid n4k1 with everything optional switched on: q/k norms, qkv bias, non-default RoPE base, untied head
+    # hybrid n4k1 with every option on: q/k norms, qkv biases, gate bias, non-default RoPE base, untied head
     "n4k1": dict(layer_types=[S, A, S, S], num_hidden_layers=4, sse_num_partitions=4, sse_top_k=1,
-                 attention_qk_norm=True, attention_bias=True, rope_parameters={"rope_type": "default",
-                                                                               "rope_theta": 1e6}),
+                 attention_qk_norm=True, attention_bias=True, sse_gate_bias=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "n8k2_row_sparse": dict(layer_types=[S, A, S], num_hidden_layers=3, sse_num_partitions=8, sse_top_k=2,
-                            sse_row_topk=8),
+                            sse_row_topk=8, sse_qkv_bias=True),
     "gla": dict(layer_types=[S] * 3, num_hidden_layers=3, sse_num_partitions=1, sse_top_k=1,
                 sse_shared_partition=False, tie_word_embeddings=True),
     "transformer": dict(layer_types=[A] * 3, num_hidden_layers=3),
@@ -110,7 +110,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
         tensors, params = load_tensors(blob), dict(twins[name].named_parameters())
         with torch.no_grad():
             for key in tensors.keys() & params.keys():
-                params[key].copy_(tensors[key])
+                if params[key].shape == tensors[key].shape:
+                    params[key].copy_(tensors[key])
         stale = logprob_parity(engines[name], twins[name], probe)
         push_weights(engines[name], tensors.items())
         return stale, logprob_parity(engines[name], twins[name], probe)
@@ -427,7 +428,7 @@ def test_push_weights_with_tied_embeddings(worker, hf):
     assert stale > 100 * TOL and fresh < TOL
 
 
-def test_push_weights_refuses_partial_or_unknown_sets(worker, hf):
+def test_push_weights_refuses_partial_unknown_or_misshapen_sets(worker, hf):
     name = worker.engine("n4k1")
     params = {n: p.detach().contiguous() for n, p in hf[name].named_parameters()}
     probe = [1, 2, 3]
@@ -437,6 +438,9 @@ def test_push_weights_refuses_partial_or_unknown_sets(worker, hf):
         worker("push", name, save_tensors(partial), probe)
     with pytest.raises(RuntimeError, match="unknown.*model.bogus"):
         worker("push", name, save_tensors({**params, "model.bogus": torch.zeros(1)}), probe)
+    with pytest.raises(RuntimeError, match="wrong shape.*lm_head.weight"):
+        worker("push", name, save_tensors({**params, "lm_head.weight": params["lm_head.weight"][:-1]}), probe)
+    assert worker("parity", name, probe) < TOL  # nothing was loaded
 
 
 def test_plain_load_weights_on_a_serving_engine_fails_loudly(worker):
