@@ -130,6 +130,8 @@ class SSELayer(nn.Module):
             self.q_shared_up = nn.Linear(r, H * c, bias=False)
             self.k_shared_down = nn.Linear(D, r, bias=False)
             self.k_shared_up = nn.Linear(r, H * c, bias=False)
+            # The shared partition starts from the routed q/k projections; the LoRA learns its difference.
+            self.q_shared_up.zero_init = self.k_shared_up.zero_init = True
         self.g_proj = nn.Linear(D, H * dv, bias=config.sse_gate_bias)
         self.o_norm = SSERMSNorm(dv, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * dv, D, bias=False)
@@ -290,12 +292,13 @@ class SSEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module):
+        # Decided per Linear: transformers initialises each parameter once, children before parents, so a
+        # parent-level zeroing would be skipped.
+        if getattr(module, "zero_init", False):
+            from transformers import initialization as init
+            init.zeros_(module.weight)
+            return
         super()._init_weights(module)
-        from transformers import initialization as init
-        if isinstance(module, SSELayer) and hasattr(module, "q_shared_up"):
-            # The shared partition starts from the routed q/k projections; the LoRA learns its difference.
-            init.zeros_(module.q_shared_up.weight)
-            init.zeros_(module.k_shared_up.weight)
 
 
 class SSEModel(SSEPreTrainedModel):

@@ -181,3 +181,10 @@ def test_sse_parameters_do_not_grow_with_partitions_beyond_the_router():
     cfg = SSEConfig.from_preset("paper_2b")
     n_sse = cfg.layer_types.count(SSE_LAYER)
     assert count(16) - count(4) == (16 - 4) * cfg.hidden_size * n_sse
+
+
+def test_fresh_shared_partition_starts_from_the_routed_projections():
+    """The shared partition's LoRA up-projections start at zero, so q_shared = q and k_shared = k at init."""
+    layer = model_for("sse_n4k2").model.layers[0].linear_attn
+    assert torch.count_nonzero(layer.q_shared_up.weight) == 0 and torch.count_nonzero(layer.k_shared_up.weight) == 0
+    assert layer.q_shared_down.weight.abs().sum() > 0
