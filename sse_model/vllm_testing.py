@@ -1,4 +1,4 @@
-"""Tiny random checkpoints with a locally built tokenizer, for the vLLM backend's tests and benchmark.
+"""Tiny random checkpoints with a locally built tokenizer, for the vLLM backend's tests.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a fixed text, and the model vocabulary is
 exactly the tokenizer's, so every id a random model samples decodes.
