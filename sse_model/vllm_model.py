@@ -170,7 +170,7 @@ class SSELinearAttention(nn.Module, MambaBase):
         tp = get_tensor_model_parallel_world_size()
         D, H, c, dv = config.hidden_size, config.sse_num_heads, config.sse_key_dim, config.sse_value_dim
         self.state_shape = sse_state_shape(config, tp)
-        self.num_heads, self.key_dim, self.value_dim = H // tp, c, dv
+        self.num_heads, self.value_dim = H // tp, dv
         # Names as in the HF SSELayer (q/k/v stacked); head-sized outputs split over tensor-parallel ranks,
         # the router and low-rank down projections replicated.
         self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.sse_qkv_bias, v_head_size=dv,

@@ -39,8 +39,9 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
         got.pop("lm_head.weight", None)  # a state_dict of a tied model may carry it; the embedding is the head
     if got != want:
         wrong = sorted(n for n in got.keys() & want.keys() if got[n] != want[n])
-        raise ValueError(f"push_weights needs exactly the model's parameters: missing {sorted(want.keys() - got.keys())}, "
-                         f"unknown {sorted(got.keys() - want.keys())}, wrong shape {wrong}")
+        raise ValueError(f"push_weights needs exactly the model's parameters: missing "
+                         f"{sorted(want.keys() - got.keys())}, unknown {sorted(got.keys() - want.keys())}, "
+                         f"wrong shape {wrong}")
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     if not llm.reset_prefix_cache():
         raise RuntimeError("push_weights: vLLM could not reset its prefix cache (requests still running?); cached "

@@ -147,8 +147,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
         return "SSEForCausalLM" in ModelRegistry.get_supported_archs()
 
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
-                    steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry, servable=servable,
-                    parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
+                    steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry,
+                    servable=servable, parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     while True:
         try:
