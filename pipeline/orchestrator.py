@@ -60,7 +60,12 @@ def start_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, include_dashboard=False, log_to_driver=True)
+        # "local": a fresh instance owned by this driver. Left to its default, ray.init() joins whatever cluster a
+        # `ray start` on this machine last advertised (/tmp/ray/ray_current_cluster), someone else's included.
+        # Its GCS and raylet share the driver's fate, so a SIGKILLed driver takes the instance along (the workers
+        # exit with their raylet) and the next run starts a fresh one.
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, include_dashboard=False,
+                 log_to_driver=True)
 
 
 def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> dict:

@@ -4,6 +4,8 @@
 - `BalanceLossMixin`: adds the SSE partition-balance loss, which TRL's own losses leave out.
 - `StageCallback`: metrics into the run's metrics.jsonl.
 - `NonFiniteLoss`: a NaN/inf loss stops the stage before the optimizer step, so no bad weights are ever saved.
+- `CheckpointWriteError`: a checkpoint that cannot be written (disk full) stops the stage, naming it and the last
+  complete checkpoint, which stays.
 - `resume_checkpoint`, `save_final_model`, `common_training_args`.
 """
 import math
@@ -20,6 +22,10 @@ from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
 
 
 class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class CheckpointWriteError(RuntimeError):
     pass
 
 
@@ -44,14 +50,22 @@ class AtomicCheckpointsMixin:
         shutil.rmtree(staging, ignore_errors=True)
         self._staging_dir = str(staging)
         try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_dir = None
+            fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
+            if self.args.should_save:
+                for file in (staging / name).iterdir():
+                    with open(file, "rb") as f:
+                        os.fsync(f.fileno())  # a full disk may only show here (delayed allocation)
+        except OSError as err:  # disk full, quota, I/O error: say which checkpoint and what is still there
+            shutil.rmtree(staging, ignore_errors=True)  # a partial checkpoint is never used; give its space back
+            last = latest_checkpoint(run_dir)
+            raise CheckpointWriteError(
+                f"{name} could not be written to {staging}: {err}; the partial checkpoint was removed and the "
+                f"last complete one, {last.name if last else 'none yet'}, is kept") from err
         if self.args.should_save:
-            for file in (staging / name).iterdir():
-                with open(file, "rb") as f:
-                    os.fsync(f.fileno())
             shutil.rmtree(run_dir / name, ignore_errors=True)
             os.rename(staging / name, run_dir / name)
             staging.rmdir()
@@ -62,8 +76,9 @@ class AtomicCheckpointsMixin:
         loss = super().training_step(model, inputs, num_items_in_batch)
         fault_point(f"{self.stage}.step", self.state.global_step + 1, Path(self.args.output_dir).parent)
         if not torch.isfinite(loss).all():
+            last = latest_checkpoint(Path(self.args.output_dir))
             raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
-                                f"and the last good checkpoint is kept")
+                                f"and the last good checkpoint, {last.name if last else 'none yet'}, is kept")
         return loss
 
 
@@ -122,10 +137,15 @@ class StageCallback(TrainerCallback):
 
 
 def resume_checkpoint(run: RunDir, stage: str) -> Path | None:
-    """The stage's last complete checkpoint, after forgetting metrics logged past it (they will be logged again)."""
+    """The stage's last complete checkpoint (None: start from the beginning), after forgetting the metrics an
+    earlier attempt logged past it: they will be logged again. Call before the stage logs anything."""
     checkpoint = latest_checkpoint(run.stage_dir(stage))
-    if checkpoint is not None:
-        run.drop_metrics_after(stage, int(CHECKPOINT.match(checkpoint.name).group(1)))
+    step = int(CHECKPOINT.match(checkpoint.name).group(1)) if checkpoint else -1  # -1: all of the stage's rows
+    # One writer for metrics.jsonl: every worker of a multi-worker stage gets here, only rank 0 logs.
+    if not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        run.drop_metrics_after(stage, step)
+        if checkpoint:
+            print(f"[{stage}] resuming from {checkpoint}", flush=True)  # the console (and tests) see where from
     return checkpoint
 
 

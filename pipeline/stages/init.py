@@ -4,11 +4,15 @@
   when `model.tokenizer.train` is set (the embedded default), else the tokenizer at `model.tokenizer.path`;
 - pretrained: an existing `sse_hybrid` checkpoint at `model.path`, checked, used in place.
 """
+import json
 import os
 import shutil
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from pipeline.data.loaders import load_sft_dataset
 from pipeline.data.tokenizer import conversation_texts, train_tokenizer
@@ -21,7 +25,8 @@ class CheckpointError(ValueError):
 
 
 def check_sse_checkpoint(path: str) -> SSEConfig:
-    """Refuse a checkpoint of another architecture with a message that says what it is."""
+    """Refuse a checkpoint of another architecture, or whose tensors do not match its config, with a message that
+    says what is wrong. Transformers only warns about missing tensors and initialises them at random."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -29,7 +34,48 @@ def check_sse_checkpoint(path: str) -> SSEConfig:
     if not isinstance(config, SSEConfig):
         raise CheckpointError(f"{path}: model_type {config.model_type!r} is not an SSE-H checkpoint (sse_hybrid); "
                               "convert it first (stage `convert`, or `sse-rl convert`)")
+    problems = tensor_mismatches(config, checkpoint_tensor_shapes(path))
+    if problems:
+        raise CheckpointError(f"{path}: the tensors do not match its config.json: {'; '.join(problems)}")
     return config
+
+
+def checkpoint_tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the checkpoint's safetensors file(s), read from the headers only."""
+    index = cached_file(path, SAFE_WEIGHTS_INDEX_NAME, _raise_exceptions_for_missing_entries=False)
+    single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False)
+    if index:
+        files = sorted({str(Path(index).parent / f) for f in json.loads(Path(index).read_text())["weight_map"].values()})
+    elif single:
+        files = [single]
+    else:
+        raise CheckpointError(f"{path}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}")
+    shapes = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
+
+
+def tensor_mismatches(config: SSEConfig, shapes: dict[str, tuple[int, ...]], shown: int = 8) -> list[str]:
+    """What differs between the tensors an SSE-H model of `config` has and `shapes`: missing (a tensor shared under
+    several names, the tied embeddings, needs one of them), unexpected, or of another shape."""
+    with torch.device("meta"):
+        state = SSEForCausalLM(config).state_dict(keep_vars=True)
+    groups = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(name)
+    missing = sorted(names[0] for names in groups.values() if not any(n in shapes for n in names))
+    unexpected = sorted(set(shapes) - set(state))
+    wrong = [f"{n} is {list(shapes[n])}, expected {list(state[n].shape)}" for n in sorted(set(shapes) & set(state))
+             if shapes[n] != tuple(state[n].shape)]
+
+    def listed(label, items):
+        return [f"{label} {', '.join(items[:shown])}" + (f" and {len(items) - shown} more" if len(items) > shown else "")
+                ] if items else []
+
+    return listed(f"{len(missing)} missing:", missing) + listed(f"{len(unexpected)} unexpected:", unexpected) + \
+        listed("shape mismatch:", wrong)
 
 
 def build_tokenizer(cfg):
