@@ -111,7 +111,9 @@ def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:
     run_dir.create()
     run_dir.lock()
     if not run_dir.config_path.exists():
-        save_config(cfg, run_dir.config_path)
+        staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
+        save_config(cfg, staging)
+        os.replace(staging, run_dir.config_path)
     return run_dir
 
 

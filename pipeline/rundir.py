@@ -118,8 +118,12 @@ class RunDir:
     def log_metrics(self, stage: str, step: int, values: dict) -> None:
         """Append one JSON line. A line cut off by a kill is skipped by `read_metrics`."""
         line = json.dumps({"stage": stage, "step": step, "time": time.time(), **values})
-        with open(self.metrics_path, "a") as f:
-            f.write(line + "\n")
+        with open(self.metrics_path, "a+b") as f:  # appends go to the end whatever the position
+            if f.tell():  # end a line a kill cut off, so that it does not swallow this one
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write(line.encode() + b"\n")
 
     def read_metrics(self, stage: str | None = None) -> list[dict]:
         if not self.metrics_path.exists():
