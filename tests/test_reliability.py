@@ -489,3 +489,18 @@ def test_run_directory_locked_by_a_live_driver(tmp_path):
     second = RunDir(run)
     second.lock()
     second.unlock()
+
+
+def test_metrics_line_cut_off_by_a_kill_is_skipped(tmp_path):
+    """A kill in the middle of an append leaves half a line: it is skipped, and the next line still counts."""
+    from pipeline.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.create()
+    run.log_metrics("sft", 1, {"loss": 1.0})
+    with open(run.metrics_path, "a") as f:
+        f.write('{"stage": "sft", "step": 2, "lo')
+    run.log_metrics("sft", 2, {"loss": 2.0})
+    assert [(row["step"], row["loss"]) for row in run.read_metrics("sft")] == [(1, 1.0), (2, 2.0)]
+    run.drop_metrics_after("sft", 1)  # what a resume from checkpoint-1 does
+    assert [row["step"] for row in run.read_metrics("sft")] == [1]
