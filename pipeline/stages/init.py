@@ -45,7 +45,8 @@ def checkpoint_tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     index = cached_file(path, SAFE_WEIGHTS_INDEX_NAME, _raise_exceptions_for_missing_entries=False)
     single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False)
     if index:
-        files = sorted({str(Path(index).parent / f) for f in json.loads(Path(index).read_text())["weight_map"].values()})
+        shards = json.loads(Path(index).read_text())["weight_map"].values()
+        files = sorted({str(Path(index).parent / shard) for shard in shards})
     elif single:
         files = [single]
     else:
@@ -70,12 +71,13 @@ def tensor_mismatches(config: SSEConfig, shapes: dict[str, tuple[int, ...]], sho
     wrong = [f"{n} is {list(shapes[n])}, expected {list(state[n].shape)}" for n in sorted(set(shapes) & set(state))
              if shapes[n] != tuple(state[n].shape)]
 
-    def listed(label, items):
-        return [f"{label} {', '.join(items[:shown])}" + (f" and {len(items) - shown} more" if len(items) > shown else "")
-                ] if items else []
-
-    return listed(f"{len(missing)} missing:", missing) + listed(f"{len(unexpected)} unexpected:", unexpected) + \
-        listed("shape mismatch:", wrong)
+    problems = []
+    for label, items in ((f"{len(missing)} missing:", missing), (f"{len(unexpected)} unexpected:", unexpected),
+                         ("shape mismatch:", wrong)):
+        if items:
+            more = f" and {len(items) - shown} more" if len(items) > shown else ""
+            problems.append(f"{label} {', '.join(items[:shown])}{more}")
+    return problems
 
 
 def build_tokenizer(cfg):
