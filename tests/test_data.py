@@ -36,6 +36,7 @@ def test_splits_never_overlap():
 def _check_equation_lines(solution: str):
     """Every arithmetic line `expr = value` of the teacher's solution is true."""
     for line in solution.splitlines()[:-1]:
+        line = re.sub(r"^(ones|tens|hundreds|thousands): ", "", line)  # column steps are equations too
         parts = [p.strip() for p in line.split("=")]
         if all(re.fullmatch(r"[-\d +*/]+", p) for p in parts):
             values = {eval(p) for p in parts}  # noqa: S307 (digits and operators only, checked above)
@@ -249,3 +250,21 @@ def test_filter_long_prompts(tokenizer):
     with pytest.raises(DataError, match=rf"^prompt '{ds[first]['id']}': {lengths[first]} tokens, over "
                                         rf"max_prompt_length={limit} \({skipped} prompts in all"):
         filter_long_prompts(ds, tokenizer, limit, "error")
+
+
+def test_column_steps_spell_out_the_result():
+    """The teacher's columns are the written algorithm: each column's last digit, read from the highest place
+    down (plus a final carry), is the result."""
+    from pipeline.data.generator import add_steps, sub_steps
+
+    def from_columns(lines):
+        values = [int(line.rsplit("= ", 1)[1]) for line in lines[:-1] if "=" in line]  # the first line: operands
+        if not values:
+            return int(lines[-1].rsplit("= ", 1)[1])
+        return int(str(values[-1]) + "".join(str(v % 10) for v in reversed(values[:-1])))
+
+    for a in range(0, 130):
+        for b in range(0, 130, 7):
+            assert from_columns(add_steps(a, b)) == a + b, (a, b, add_steps(a, b))
+            if a >= b:
+                assert from_columns(sub_steps(a, b)) == a - b, (a, b, sub_steps(a, b))
