@@ -118,6 +118,7 @@ class RewardSpec:
     name: str  # a registered reward, or "package.module:function"
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None  # seconds per batch in a killable worker (for rewards that may hang); None: in-process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,10 +427,11 @@ def _check(cfg: Config) -> None:
     require(0 <= cfg.sft.warmup_ratio < 1, "sft.warmup_ratio", f"must be in [0, 1), got {cfg.sft.warmup_ratio}")
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
-    before_eval = stages[:stages.index("eval")] if "eval" in stages else stages
-    for i, model in enumerate(cfg.eval.models):
-        require(model == "last" or model in before_eval, f"eval.models[{i}]",
-                f"{model!r} is not a stage that runs before eval in this config ({', '.join(stages)})", ["stages"])
+    if "eval" in stages:
+        for i, model in enumerate(cfg.eval.models):
+            require(model == "last" or model in stages[:stages.index("eval")], f"eval.models[{i}]",
+                    f"{model!r} is not a stage that runs before eval in this config ({', '.join(stages)})",
+                    ["stages"])
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
             require(entry in EVAL_PRESETS, f"data.eval[{i}]",

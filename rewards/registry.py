@@ -100,6 +100,15 @@ def reset_failure_counts():
 
 # ---------------------------------------------------------------------------------------------------- wrapper
 
+class RewardTimeout(RuntimeError):
+    pass
+
+
+def _call(func, prompts, completions, kwargs):
+    """Runs in a pool worker: `func` is pickled by reference, so it must be importable (module level)."""
+    return func(prompts, completions, **kwargs)
+
+
 class SafeReward:
     """A reward as TRL sees it: options bound, named for TRL's logs, failures turned into 0 and counted.
 
@@ -108,12 +117,13 @@ class SafeReward:
     instance rather than a closure so it pickles (TRL and Ray may ship reward functions to other processes).
     """
 
-    def __init__(self, func: RewardFunc, name: str, options: Mapping | None = None):
+    def __init__(self, func: RewardFunc, name: str, options: Mapping | None = None, timeout: float | None = None):
         if inspect.iscoroutinefunction(func):
             raise TypeError(f"reward {name!r}: async reward functions are not supported")
         self.func = func
         self.__name__ = name
         self.options = dict(options or {})
+        self.timeout = timeout  # seconds per batch, in a killable worker process; None: called in this process
 
     def __repr__(self):
         return f"SafeReward({self.__name__!r}, {self.func.__module__}.{self.func.__qualname__}, {self.options})"
@@ -131,10 +141,30 @@ class SafeReward:
             log_metric(f"rewards/{self.__name__}/failed", failed / len(completions))
         return values
 
+    def _invoke(self, prompts, completions, columns):
+        """The function itself, or, with a timeout, in a worker of the deadline pool that is killed when it hangs."""
+        if self.timeout is None:
+            return self.func(prompts, completions, **{**columns, **self.options})
+        from rewards.pool import shared_pool
+
+        # The trainer's callables and state stay behind: only data crosses to the worker.
+        portable = {k: v for k, v in columns.items() if k not in ("log_metric", "log_extra", "trainer_state")}
+        status, value = shared_pool().map(_call, [(self.func, prompts, completions, {**portable, **self.options})],
+                                          self.timeout)[0]
+        if status == "timeout":
+            raise RewardTimeout(f"no result within {self.timeout} s")
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
     def _batch(self, prompts, completions, columns) -> list[float | None]:
         n = len(completions)
         try:
-            values = self.func(prompts, completions, **{**columns, **self.options})
+            values = self._invoke(prompts, completions, columns)
+        except RewardTimeout as e:
+            # A reward that hangs would hang again completion by completion: the whole batch scores 0.
+            record_failure("timeout", n, str(e))
+            return [0.0] * n
         except Exception as e:  # noqa: BLE001 (any bug in a reward must not stop training)
             logger.debug("reward %r raised %s on a batch; retrying completion by completion", self.__name__,
                          type(e).__name__)
@@ -147,7 +177,10 @@ class SafeReward:
         # Per-completion columns are lists of length n; the rest (trainer_state, log_metric, ...) pass as is.
         row = {k: v[i:i + 1] if isinstance(v, list) and len(v) == n else v for k, v in columns.items()}
         try:
-            values = self.func(prompts[i:i + 1], completions[i:i + 1], **{**row, **self.options})
+            values = self._invoke(prompts[i:i + 1], completions[i:i + 1], row)
+        except RewardTimeout as e:
+            record_failure("timeout", 1, str(e))
+            return 0.0
         except Exception as e:  # noqa: BLE001
             record_failure("error", 1, f"raised {type(e).__name__}: {e}", exc_info=True)
             return 0.0
@@ -180,7 +213,8 @@ class SafeReward:
         return out
 
 
-def build_reward(name: str, options: Mapping | None = None, log_name: str | None = None) -> SafeReward:
+def build_reward(name: str, options: Mapping | None = None, log_name: str | None = None,
+                 timeout: float | None = None) -> SafeReward:
     """One reward, wrapped. `options` must name keyword-only parameters of the function; those without a
     default are required. `log_name` replaces the name TRL logs it under (default: `name`, or the function's
     name for "module:function")."""
@@ -196,33 +230,38 @@ def build_reward(name: str, options: Mapping | None = None, log_name: str | None
     missing = sorted(required - set(options))
     if missing:
         raise ValueError(f"reward {name!r}: missing required option(s) {', '.join(missing)}")
-    return SafeReward(func, log_name or (func.__name__ if ":" in name else name), options)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"reward {name!r}: timeout must be a positive number of seconds, got {timeout!r}")
+    return SafeReward(func, log_name or (func.__name__ if ":" in name else name), options, timeout)
+
+
+SPEC_KEYS = ("name", "weight", "kwargs", "log_name", "timeout")
 
 
 def build_rewards(specs) -> tuple[list[SafeReward], list[float]]:
     """Rewards and weights from a config list, for TRL: `GRPOTrainer(reward_funcs=funcs)` and
     `GRPOConfig(reward_weights=weights)`. TRL sums weight * reward per completion (a None reward is left out).
 
-    Each spec is a reward name, a mapping {name, weight=1.0, kwargs={}, log_name=None}, or an object with
-    those attributes (the pipeline's RewardSpec).
+    Each spec is a reward name, a mapping {name, weight=1.0, kwargs={}, log_name=None, timeout=None}, or an
+    object with those attributes (the pipeline's RewardSpec). `timeout` (seconds per batch) runs the reward in
+    a worker process that is killed if it hangs, which scores the batch 0 and counts it.
     """
     funcs, weights = [], []
     for i, spec in enumerate(specs):
         if isinstance(spec, str):
             spec = {"name": spec}
         elif not isinstance(spec, Mapping):
-            spec = {k: getattr(spec, k) for k in ("name", "weight", "kwargs", "log_name") if hasattr(spec, k)}
-        unknown = sorted(set(spec) - {"name", "weight", "kwargs", "log_name"})
+            spec = {k: getattr(spec, k) for k in SPEC_KEYS if hasattr(spec, k)}
+        unknown = sorted(set(spec) - set(SPEC_KEYS))
         if unknown:
-            raise ValueError(f"rewards[{i}]: unknown key(s) {', '.join(unknown)}; keys: name, weight, kwargs, "
-                             "log_name")
+            raise ValueError(f"rewards[{i}]: unknown key(s) {', '.join(unknown)}; keys: {', '.join(SPEC_KEYS)}")
         if not isinstance(spec.get("name"), str):
             raise ValueError(f"rewards[{i}]: 'name' must be a reward name or 'package.module:function'")
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
             raise ValueError(f"rewards[{i}] ({spec['name']}): 'weight' must be a finite number, got {weight!r}")
         try:
-            func = build_reward(spec["name"], spec.get("kwargs"), spec.get("log_name"))
+            func = build_reward(spec["name"], spec.get("kwargs"), spec.get("log_name"), spec.get("timeout"))
         except (KeyError, ValueError, ImportError, AttributeError, TypeError) as e:
             raise ValueError(f"rewards[{i}]: {e}") from e
         if func.__name__ in [f.__name__ for f in funcs]:

@@ -366,3 +366,33 @@ def test_overlong_penalty():
     # The default buffer is a fifth of the limit, as in DAPO (4096 of 20480).
     default = rewards.build_reward("overlong_penalty", {"max_length": 100})
     assert default(["p"], ["x"], completion_ids=[[0] * 90]) == [-0.5]
+
+
+def sleepy_reward(prompts, completions, **kwargs):
+    time.sleep(3600)
+
+
+def length_reward(prompts, completions, *, scale: float = 1.0, **kwargs):
+    return [scale * len(c) for c in completions]
+
+
+def test_a_hanging_reward_with_a_timeout_scores_zero_and_is_counted():
+    """A user reward that hangs (here: sleeps for an hour) is killed at its deadline; the batch scores 0, the
+    completions are counted as timeouts, and training goes on."""
+    from rewards import build_reward, failure_counts, reset_failure_counts
+
+    reset_failure_counts()
+    reward = build_reward(f"{__name__}:sleepy_reward", timeout=1.0)
+    start = time.monotonic()
+    assert reward(["p"] * 3, ["a", "b", "c"], answer=["1"] * 3) == [0.0, 0.0, 0.0]
+    assert time.monotonic() - start < 30
+    assert failure_counts()["sleepy_reward"]["timeout"] == 3
+
+
+def test_a_reward_with_a_timeout_computes_the_same_in_its_worker():
+    from rewards import build_reward
+
+    inline = build_reward(f"{__name__}:length_reward", {"scale": 2.0})
+    isolated = build_reward(f"{__name__}:length_reward", {"scale": 2.0}, timeout=30.0)
+    completions = ["ab", "abcd", ""]
+    assert isolated(["p"] * 3, completions, log_metric=lambda *a: None) == inline(["p"] * 3, completions) == [4.0, 8.0, 0.0]
