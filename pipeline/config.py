@@ -94,11 +94,14 @@ class DataSettings:
     eval: list[DataSource | str] = field(default_factory=list)
 
 
+LRScheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SFTSettings:
     epochs: float = 1.0
     learning_rate: float = 1e-5
-    lr_scheduler: Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"] = "cosine"
+    lr_scheduler: LRScheduler = "cosine"
     warmup_ratio: float = 0.0  # fraction of steps; transformers 5 takes it as TrainingArguments.warmup_steps < 1
     per_device_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -134,6 +137,8 @@ class VLLMSettings:
 class GRPOSettings:
     steps: int = 100
     learning_rate: float = 1e-6
+    lr_scheduler: LRScheduler = "constant"
+    warmup_ratio: float = 0.0  # a fresh Adam's first updates are sign-sized on every weight: warm up
     # Counted in completions, as in TRL: per_device_batch_size * workers * gradient_accumulation_steps
     # completions per optimizer step, which must hold whole groups of num_generations.
     per_device_batch_size: int = 8
@@ -424,7 +429,12 @@ def _check(cfg: Config) -> None:
             f"per_device_batch_size * resources.grpo.num_workers * gradient_accumulation_steps = {batch} "
             f"completions per step must be a multiple of num_generations={g.num_generations}",
             ["grpo.num_generations", "resources.grpo.num_workers", "grpo.gradient_accumulation_steps"])
-    require(0 <= cfg.sft.warmup_ratio < 1, "sft.warmup_ratio", f"must be in [0, 1), got {cfg.sft.warmup_ratio}")
+    for stage in ("sft", "grpo"):
+        ratio = getattr(cfg, stage).warmup_ratio
+        require(0 <= ratio < 1, f"{stage}.warmup_ratio", f"must be in [0, 1), got {ratio}")
+        require(not ratio or getattr(cfg, stage).lr_scheduler != "constant", f"{stage}.warmup_ratio",
+                "the constant schedule ignores warmup: use lr_scheduler: constant_with_warmup",
+                [f"{stage}.lr_scheduler"])
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
     if "eval" in stages:

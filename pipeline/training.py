@@ -121,7 +121,7 @@ class StageCallback(TrainerCallback):
         if usage is None or not torch.is_grad_enabled():  # count training forwards only, not no-grad scoring
             return
         self._usage = self._usage + usage.detach().float().cpu()
-        self._balance += float(output.balance_loss)
+        self._balance += float(output.balance_loss.detach())
         self._count += 1
 
     def on_log(self, args, state, control, logs=None, **kwargs):

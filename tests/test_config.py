@@ -93,6 +93,9 @@ BAD = [
     ("model: {init: pretrained}", "model.path: required when model.init is 'pretrained'"),
     ("grpo: {num_generations: 3}", "grpo.per_device_batch_size: per_device_batch_size * resources.grpo.num_workers "
      "* gradient_accumulation_steps = 8 completions per step must be a multiple of num_generations=3"),
+    ("grpo: {warmup_ratio: 0.1}", "grpo.warmup_ratio: the constant schedule ignores warmup: use lr_scheduler: "
+     "constant_with_warmup"),
+    ("sft: {warmup_ratio: 1.5}", "sft.warmup_ratio: must be in [0, 1), got 1.5"),
 ]
 
 

