@@ -29,10 +29,20 @@ def series(rows, pattern):
     return dict(out)
 
 
-def plot(path, title, lines, xlabel="optimizer step"):
+def trailing_mean(y, window):
+    return [sum(y[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(y))]
+
+
+def plot(path, title, lines, xlabel="optimizer step", window=None):
+    """One line per series. With `window`, a long series (GRPO metrics, a few prompts per step) is drawn faintly
+    with its trailing mean over `window` points on top, so a trend shows through the noise."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, (x, y) in sorted(lines.items()):
-        ax.plot(x, y, label=label, marker="." if len(x) < 30 else None)
+        if window is None or len(x) < 3 * window:
+            ax.plot(x, y, label=label, marker="." if len(x) < 30 else None)
+            continue
+        (raw,) = ax.plot(x, y, alpha=0.3, linewidth=0.8)
+        ax.plot(x, trailing_mean(y, window), color=raw.get_color(), label=f"{label} (mean of {window} points)")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
@@ -71,7 +81,7 @@ def write_report(run_dir) -> None:
     for file, title, stage, pattern in PLOTS:
         lines = series(rows_by_stage[stage], pattern)
         if lines:
-            plot(run_dir.path / file, title, lines)
+            plot(run_dir.path / file, title, lines, window=10 if stage == "grpo" else None)
             images.append((title, file))
     usage = plot_partition_usage(run_dir, rows_by_stage)
     if usage:
