@@ -8,6 +8,7 @@ process it starts (front end, engine core, workers, the model-inspection subproc
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.platforms import current_platform
 
     from sse_model.configuration_sse import SSEConfig
 
@@ -15,3 +16,53 @@ def register() -> None:
     if "SSEForCausalLM" not in ModelRegistry.get_supported_archs():
         # Lazy "module:class" form: vLLM imports the model only where it builds it.
         ModelRegistry.register_model("SSEForCausalLM", "sse_model.vllm_model:SSEForCausalLM")
+    if current_platform.is_cpu():
+        rewind_seeded_generators_on_cpu()
+
+
+class _RestoreState:
+    """Stands in for a CPU generator in vLLM's rewind `gen.set_offset(gen.get_offset() - 4)`: puts back the
+    state the generator had before the discarded sample."""
+
+    def __init__(self, generator, state):
+        self.generator, self.state = generator, state
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        self.generator.set_state(self.state)
+
+
+def rewind_seeded_generators_on_cpu() -> None:
+    """vLLM samples a token for a request whose prefill is only partly scheduled (chunked prefill), discards it,
+    and rewinds the request's seeded generator with `set_offset`, which only CUDA generators have: on the CPU
+    build a seeded request whose prefill was split crashed the engine ("CPU Generator does not use offset").
+    The CPU runner here saves those generators' states before sampling and restores them instead, so a seeded
+    request samples the same tokens however its prefill is split (GRPO's and eval's per-request seeds rely
+    on that). Patched once per process, on the CPU runner only."""
+    import numpy as np
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_sse_restores_generators", False):
+        return
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def _sample(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0].tolist()
+        self._sse_saved_states = {i: generators[i].get_state() for i in discarded if i in generators}
+        return sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved, self._sse_saved_states = getattr(self, "_sse_saved_states", {}), {}
+        generators = self.input_batch.generators
+        self.input_batch.generators = {**generators, **{i: _RestoreState(generators[i], state)
+                                                        for i, state in saved.items()}}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
+    CPUModelRunner._sse_restores_generators = True

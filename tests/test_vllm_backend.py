@@ -354,6 +354,19 @@ def test_sampling_n8_requests_never_share_state(worker, hf):
             assert (torch.tensor(c["logprobs"]) - theirs).abs().max() < TOL
 
 
+def test_seeded_sampling_is_the_same_however_the_prefill_is_split(worker, hf):
+    """The n8k2 engine prefills 16 tokens per step and discards what it samples for a split prefill; vLLM then
+    rewinds the seeded request's generator (CUDA generators only: sse_model.vllm_plugin restores CPU ones). A
+    40-token prompt alone is split 16 + 16 + 8; behind a 30-token prompt, 2 + 15 + 15 + 8. Same seed, same tokens."""
+    name = worker.engine("n8k2_row_sparse")
+    first, prompt, last = prompts_for(hf[name].config.vocab_size, lengths=(30, 40, 21), seed=4)
+    sampling = dict(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11, logprobs=0)
+    alone = worker("generate", name, [prompt], sampling)[0]["completions"][0]
+    crowded = worker("generate", name, [first, prompt, last], sampling)[1]["completions"][0]
+    assert crowded["token_ids"] == alone["token_ids"]
+    assert (torch.tensor(alone["logprobs"]) - hf_logprobs(hf[name], prompt, alone["token_ids"])).abs().max() < TOL
+
+
 def test_new_request_starts_from_zero_state(worker, hf):
     """Every slot filled with noise (stale states of earlier requests): new requests still match HF."""
     name = worker.engine("n4k1")
