@@ -7,7 +7,6 @@ every engine for the whole module and answers (command, args) messages; the refe
 The OpenAI server runs as its own process, started at the top of the module so its ~30 s start overlaps the rest.
 """
 import copy
-import importlib.util
 import json
 import os
 import signal
@@ -24,13 +23,10 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed", allow_module_level=True)
+from sse_model import SSEConfig, SSEForCausalLM
+from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 
 pytestmark = pytest.mark.slow
-
-from sse_model import SSEConfig, SSEForCausalLM  # noqa: E402
-from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER  # noqa: E402
 
 S, A = SSE_LAYER, ATTENTION_LAYER
 BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -274,6 +270,12 @@ def hf_greedy(model, prompts, new_tokens):
     return out[:, T:].tolist()
 
 
+def assert_matches_hf_greedy(ours, model, prompts, new_tokens):
+    """vLLM's greedy completions (worker replies, one per prompt) are HF's greedy `generate` tokens."""
+    for prompt, o, t in zip(prompts, ours, hf_greedy(model, prompts, new_tokens), strict=True):
+        assert o["completions"][0]["token_ids"] == t, len(prompt)
+
+
 @torch.no_grad()
 def hf_logprobs(model, prompt, completion):
     """Log-probabilities the HF model gives each completion token (teacher forcing)."""
@@ -334,9 +336,7 @@ def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
     prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
     ours = worker("generate", name, prompts, greedy(max_tokens=380))
     assert worker("preemptions", name) > 0
-    theirs = hf_greedy(hf[name], prompts, 380)
-    for prompt, o, t in zip(prompts, ours, theirs):
-        assert o["completions"][0]["token_ids"] == t, len(prompt)
+    assert_matches_hf_greedy(ours, hf[name], prompts, 380)
 
 
 def test_sampling_n8_requests_never_share_state(worker, hf):
@@ -373,8 +373,7 @@ def test_new_request_starts_from_zero_state(worker, hf):
     prompts = prompts_for(hf[name].config.vocab_size, seed=3)
     worker("poison", name)
     ours = worker("generate", name, prompts, greedy())
-    for o, t in zip(ours, hf_greedy(hf[name], prompts, NEW_TOKENS)):
-        assert o["completions"][0]["token_ids"] == t
+    assert_matches_hf_greedy(ours, hf[name], prompts, NEW_TOKENS)
 
 
 def test_prefix_cache_hit_continues_from_cached_state(worker, hf):
@@ -384,8 +383,7 @@ def test_prefix_cache_hit_continues_from_cached_state(worker, hf):
     first = worker("generate", name, prompts[:1], greedy(max_tokens=16))
     second = worker("generate", name, prompts[1:], greedy(max_tokens=16))
     assert second[0]["num_cached_tokens"] > 0, "expected a prefix-cache hit"
-    for o, t in zip(first + second, hf_greedy(hf[name], prompts, 16)):
-        assert o["completions"][0]["token_ids"] == t
+    assert_matches_hf_greedy(first + second, hf[name], prompts, 16)
 
 
 GROUPS = {
@@ -424,8 +422,7 @@ def test_push_weights_reloads_every_group(worker, hf, group):
     if group == "all":
         prompts = prompts_for(hf[name].config.vocab_size, seed=6)
         ours = worker("generate", name, prompts, greedy())
-        for o, t in zip(ours, hf_greedy(hf[name], prompts, NEW_TOKENS)):
-            assert o["completions"][0]["token_ids"] == t
+        assert_matches_hf_greedy(ours, hf[name], prompts, NEW_TOKENS)
 
 
 def test_push_weights_with_tied_embeddings(worker, hf):
@@ -485,9 +482,6 @@ def test_head_dim_the_platform_cannot_run_is_refused_naming_the_field(worker):
 def test_triton_decode_kernel_inside_the_vllm_model(tmp_path_factory):
     """Decode through `kernels.sse_decode(..., impl="triton")` in the vLLM model, the Triton kernel interpreted
     on CPU (TRITON_INTERPRET=1, set before triton is imported, hence its own worker)."""
-    from kernels.dispatch import DECODE_IMPLEMENTATIONS
-    if "triton" not in DECODE_IMPLEMENTATIONS:
-        pytest.skip("kernels.dispatch has no 'triton' decode implementation registered yet")
     root = tmp_path_factory.mktemp("triton")
     path = make_checkpoint(root, "triton")
     model = SSEForCausalLM.from_pretrained(path).eval()
@@ -500,8 +494,7 @@ def test_triton_decode_kernel_inside_the_vllm_model(tmp_path_factory):
         ours = w("generate", "triton", prompts, greedy(max_tokens=8), timeout=600)
     finally:
         w.close()
-    for o, t in zip(ours, hf_greedy(model, prompts, 8)):
-        assert o["completions"][0]["token_ids"] == t
+    assert_matches_hf_greedy(ours, model, prompts, 8)
 
 
 def test_vllm_serve_answers_an_openai_completion(server):
