@@ -144,6 +144,7 @@ class GRPOSettings:
     per_device_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_generations: int = 8
+    num_iterations: int = 1  # policy updates per rollout batch (TRL's mu); > 1 makes the clip ranges matter
     max_prompt_length: int = 512
     long_prompts: Literal["skip", "error"] = "skip"  # prompts over max_prompt_length: skipped and counted, or refused
     max_completion_length: int = 1024
@@ -429,6 +430,10 @@ def _check(cfg: Config) -> None:
             f"per_device_batch_size * resources.grpo.num_workers * gradient_accumulation_steps = {batch} "
             f"completions per step must be a multiple of num_generations={g.num_generations}",
             ["grpo.num_generations", "resources.grpo.num_workers", "grpo.gradient_accumulation_steps"])
+    # TRL keeps the rollout batch it reuses in memory only: a resume must start where a new batch is generated.
+    require(g.num_iterations >= 1 and g.save_steps % g.num_iterations == 0, "grpo.save_steps",
+            f"must be a multiple of num_iterations={g.num_iterations} (a checkpoint between two updates on one "
+            f"rollout batch could not resume exactly), got {g.save_steps}", ["grpo.num_iterations"])
     for stage in ("sft", "grpo"):
         ratio = getattr(cfg, stage).warmup_ratio
         require(0 <= ratio < 1, f"{stage}.warmup_ratio", f"must be in [0, 1), got {ratio}")

@@ -83,6 +83,7 @@ def run(cfg, run_dir, model_path) -> dict:
         **common_training_args(cfg, g, out),
         max_steps=g.steps,
         num_generations=g.num_generations,
+        num_iterations=g.num_iterations,
         max_completion_length=g.max_completion_length,
         temperature=g.temperature,
         top_p=g.top_p,
