@@ -4,6 +4,8 @@
 the convention transformers and vLLM use for hybrids. Two baselines come from the config alone:
 GLA (sse_num_partitions=1, sse_top_k=1, sse_shared_partition=False) and a Transformer (every layer attention).
 """
+from typing import ClassVar
+
 from transformers import PreTrainedConfig
 
 SSE_LAYER, ATTENTION_LAYER = "linear_attention", "full_attention"
@@ -31,6 +33,9 @@ def default_layer_types(num_layers: int, attention_every: int = 6) -> list[str]:
 class SSEConfig(PreTrainedConfig):
     model_type = "sse_hybrid"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # No remote code. TRL reads `config.auto_map` when it builds GRPO's reference model from a checkpoint
+    # (beta > 0), and transformers 5 configs have no such attribute unless remote code set one.
+    auto_map: ClassVar[dict] = {}
 
     vocab_size: int = 32000
     hidden_size: int = 1024

@@ -1,4 +1,6 @@
 """SSE-H on Hugging Face transformers (issue 2): config, registration, checkpoints, padding, packing, generation."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,18 @@ def test_save_and_load_safetensors(tmp_path, name):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is SSEForCausalLM
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_trl_reference_model_loader_reads_a_checkpoint(tmp_path):
+    """GRPO with beta > 0 builds its reference model with TRL's `create_model_from_path`, which probes
+    `config.auto_map`; the reference must be the checkpoint's model, weights included."""
+    from trl.trainer.utils import create_model_from_path
+    model = model_for("sse_n4k2")
+    model.save_pretrained(tmp_path)
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
+    reference = create_model_from_path(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(1, 97, (2, 11))
+    assert type(reference) is SSEForCausalLM and torch.equal(reference(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("overrides,field", [
