@@ -434,10 +434,10 @@ def _check(cfg: Config) -> None:
     require(g.num_iterations >= 1 and g.save_steps % g.num_iterations == 0, "grpo.save_steps",
             f"must be a multiple of num_iterations={g.num_iterations} (a checkpoint between two updates on one "
             f"rollout batch could not resume exactly), got {g.save_steps}", ["grpo.num_iterations"])
-    for stage in ("sft", "grpo"):
-        ratio = getattr(cfg, stage).warmup_ratio
+    for stage, settings in (("sft", cfg.sft), ("grpo", g)):
+        ratio = settings.warmup_ratio
         require(0 <= ratio < 1, f"{stage}.warmup_ratio", f"must be in [0, 1), got {ratio}")
-        require(not ratio or getattr(cfg, stage).lr_scheduler != "constant", f"{stage}.warmup_ratio",
+        require(not ratio or settings.lr_scheduler != "constant", f"{stage}.warmup_ratio",
                 "the constant schedule ignores warmup: use lr_scheduler: constant_with_warmup",
                 [f"{stage}.lr_scheduler"])
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")

@@ -167,6 +167,8 @@ def common_training_args(cfg, stage_cfg, out: Path) -> dict:
     return dict(
         output_dir=str(out),
         learning_rate=stage_cfg.learning_rate,
+        lr_scheduler_type=stage_cfg.lr_scheduler,
+        warmup_steps=stage_cfg.warmup_ratio,  # transformers 5 takes a ratio here when < 1
         per_device_train_batch_size=stage_cfg.per_device_batch_size,
         gradient_accumulation_steps=stage_cfg.gradient_accumulation_steps,
         gradient_checkpointing=stage_cfg.gradient_checkpointing,

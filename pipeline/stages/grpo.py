@@ -95,8 +95,6 @@ def run(cfg, run_dir, model_path) -> dict:
         importance_sampling_level=g.importance_sampling_level,
         mask_truncated_completions=g.mask_truncated_completions,
         reward_weights=weights,
-        lr_scheduler_type=g.lr_scheduler,
-        warmup_steps=g.warmup_ratio,  # transformers 5 takes a ratio here when < 1
     )
     parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
         f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)

@@ -33,8 +33,6 @@ def run(cfg, run_dir, model_path) -> dict:
         **common_training_args(cfg, s, out),
         num_train_epochs=s.epochs,
         max_steps=s.max_steps or -1,
-        lr_scheduler_type=s.lr_scheduler,
-        warmup_steps=s.warmup_ratio,  # transformers 5 takes a ratio here when < 1
         weight_decay=s.weight_decay,
         max_grad_norm=s.max_grad_norm,
         max_length=s.max_length,
