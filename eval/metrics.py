@@ -69,6 +69,17 @@ def bootstrap_ci(values: list[float], confidence: float = 0.95, num_resamples: i
     return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
 
 
+def paired_change(before: list[float], after: list[float]) -> dict:
+    """Change in mean accuracy from `before` to `after`, the per-problem accuracies of two models on the same
+    problems in the same order, with a bootstrap interval that resamples problems with both models' results
+    together: problem difficulty, shared by both, then drops out of the interval."""
+    if len(before) != len(after):
+        raise ValueError(f"paired change needs the same problems, got {len(before)} and {len(after)}")
+    diff = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
+    low, high = bootstrap_ci(diff.tolist())
+    return {"change": float(diff.mean()) if len(diff) else float("nan"), "change_ci95": [low, high]}
+
+
 def length_edges(max_tokens: int) -> list[int]:
     """Bucket edges for accuracy by response length: 0, L/8, L/4, L/2, L (L = the token limit)."""
     return sorted({0, *(max(1, max_tokens // d) for d in (8, 4, 2)), max_tokens})

@@ -48,7 +48,7 @@ def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temp
         if len(set(ids)) != len(ids):
             duplicate = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"{spec}: problem id {duplicate!r} appears more than once; ids must be unique")
-        path = out / f"{name.replace('/', '__')}.samples.jsonl"  # a Hugging Face id has a slash
+        path = samples_path(out, name)
         finished = _load_finished(path, n)
         todo = [row for row in rows if row["id"] not in finished]
         logger.info("%s: %d problems, %d already evaluated", name, len(rows), len(rows) - len(todo))
@@ -123,6 +123,16 @@ def _check_settings(path: Path, settings: dict):
                              "use a new output directory")
     else:
         _write_atomic(path, json.dumps(settings, indent=2) + "\n")
+
+
+def samples_path(out_dir: str | Path, name: str) -> Path:
+    return Path(out_dir) / f"{name.replace('/', '__')}.samples.jsonl"  # a Hugging Face id has a slash
+
+
+def per_problem_accuracy(out_dir: str | Path, name: str, n: int) -> dict[str, float]:
+    """{problem id: fraction of its n samples graded correct} from an evaluation's samples file."""
+    return {pid: sum(s["correct"] for s in samples) / n
+            for pid, samples in _load_finished(samples_path(out_dir, name), n).items()}
 
 
 def _load_finished(path: Path, n: int) -> dict[str, list[dict]]:

@@ -68,6 +68,7 @@ class GeneratorSettings:
     num_examples: int = 2000
     levels: list[int] = field(default_factory=lambda: [1, 2])  # difficulty levels, mixed uniformly
     seed: int = 0
+    in_head_probability: float = 0.0  # chance the teacher writes a multi-digit sum in one line, no columns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +183,7 @@ class EvalSettings:
 class StageResources:
     num_workers: int = 1
     num_cpus: float = 1.0  # per worker
+    num_threads: int | None = None  # torch CPU threads per worker without a GPU; None: num_cpus - 1, at least 1
     num_gpus: float = 0.0  # per worker
     use_gpu: bool = False
 

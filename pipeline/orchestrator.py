@@ -34,7 +34,7 @@ def execute_stage(stage: str, config: dict, run_path: str, model_path: str | Non
     failed result (returned normally, so Ray does not retry what would fail the same way again)."""
     cfg, run_dir = config_from_dict(config, source=f"{run_path}/config.yaml"), RunDir(run_path)
     run_dir.stage_dir(stage).mkdir(parents=True, exist_ok=True)
-    limit_cpu_threads(getattr(cfg.resources, stage).num_cpus)
+    limit_cpu_threads(getattr(cfg.resources, stage))
     start = time.time()
     try:
         result = {"status": "done", **stage_function(stage)(cfg, run_dir, model_path)}
@@ -46,15 +46,16 @@ def execute_stage(stage: str, config: dict, run_path: str, model_path: str | Non
         write_atomic(run_dir.stage_dir(stage) / "result.json", json.dumps(result, indent=1, default=str))
 
 
-def limit_cpu_threads(num_cpus: float) -> None:
-    """Without a GPU, compute with one thread fewer than the stage's CPUs (at least one). OpenMP threads
-    spin-wait for each other, so one that shares its core with Ray's daemons or the driver stalls every op
-    (measured on 2 cores: a training step of the tiny model took a steady 1.3 s on one thread and 1.7 to 9.6 s on
-    two). It must happen before an in-process vLLM engine starts: vLLM's CPU worker then freezes the count."""
+def limit_cpu_threads(res) -> None:
+    """Without a GPU, compute with `num_threads`, by default one thread fewer than the stage's CPUs (at least
+    one). OpenMP threads spin-wait for each other, so one that shares its core with Ray's daemons, the driver or
+    an in-process vLLM engine stalls every op (measured on 2 cores: a GRPO training step of the tiny model took a
+    steady 1.3 s on one thread and 1.7 to 9.6 s on two). It must happen before an in-process vLLM engine starts:
+    vLLM's CPU worker then freezes the count."""
     import torch
 
     if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, int(num_cpus) - 1))
+        torch.set_num_threads(res.num_threads or max(1, int(res.num_cpus) - 1))
 
 
 def _train_worker(loop_config: dict):

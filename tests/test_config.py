@@ -176,3 +176,21 @@ def test_resolved_config_is_plain_yaml():
     text = yaml.safe_dump(resolve(cfg))
     assert config_from_dict(yaml.safe_load(text)) == cfg
     assert cfg.run_dir == Path("runs/tiny")
+
+
+def test_stage_cpu_threads():
+    """Without a GPU a stage computes with resources.<stage>.num_threads, by default one fewer than its CPUs."""
+    import torch
+
+    from pipeline.config import StageResources
+    from pipeline.orchestrator import limit_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        for res, threads in [(StageResources(num_cpus=3), 2), (StageResources(num_cpus=1), 1),
+                             (StageResources(num_cpus=2, num_threads=2), 2)]:
+            limit_cpu_threads(res)
+            assert torch.get_num_threads() == threads, res
+    finally:
+        torch.set_num_threads(before)
+    assert load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml").resources.sft.num_threads == 2

@@ -63,6 +63,23 @@ def test_generator_bad_arguments():
         generate(5, [9])
     with pytest.raises(ValueError, match="split must be 'train' or 'test'"):
         generate(5, [1], split="validation")
+    with pytest.raises(ValueError, match=r"in_head_probability must be in \[0, 1\], got 1.5"):
+        generate(5, [1], in_head_probability=1.5)
+
+
+def test_sums_in_the_head():
+    """A teacher that works some multi-digit sums in one line: same problems and answers, solutions still right,
+    about the asked share of column computations collapsed to their conclusion, and none at 1.0."""
+    columns = generate(2000, [1, 2], seed=5)
+    opened = sum(row["solution"].count("ones:") for row in columns)
+    for probability in (0.3, 1.0):
+        mixed = generate(2000, [1, 2], seed=5, in_head_probability=probability)
+        assert [(r["problem"], r["answer"]) for r in mixed] == [(r["problem"], r["answer"]) for r in columns]
+        for row in mixed:
+            _check_equation_lines(row["solution"])
+            assert row["solution"].endswith(f"The answer is \\boxed{{{row['answer']}}}.")
+        kept = sum(row["solution"].count("ones:") for row in mixed) / opened
+        assert abs(kept - (1 - probability)) < 0.03, (probability, kept)
 
 
 # ---------------------------------------------------------------------------------------------------- loaders

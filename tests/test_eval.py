@@ -10,7 +10,7 @@ import pytest
 from conftest import shared_data_file
 from eval import datasets as eval_datasets
 from eval.datasets import benchmark_source, load_benchmark
-from eval.metrics import bootstrap_ci, compute_metrics, length_edges, majority_score, pass_at_k
+from eval.metrics import bootstrap_ci, compute_metrics, length_edges, majority_score, paired_change, pass_at_k
 from eval.runner import evaluate, problem_seed
 from pipeline.config import DataSource
 from pipeline.data.loaders import DataError
@@ -60,6 +60,18 @@ def test_bootstrap_ci():
     low, high = bootstrap_ci([0.0, 1.0] * 50)
     assert 0.38 < low < 0.5 < high < 0.62  # mean 0.5, standard error 0.05
     assert bootstrap_ci([0.0, 1.0] * 50) == (low, high)  # seeded
+
+
+def test_paired_change():
+    """Pairing removes problem difficulty: a model better by 0.25 on every one of 100 problems of very different
+    difficulty has a change of exactly 0.25 with no spread, which unpaired intervals could not show."""
+    before = [0.0, 0.25, 0.5, 0.75] * 25
+    assert paired_change(before, [b + 0.25 for b in before]) == {"change": 0.25, "change_ci95": [0.25, 0.25]}
+    mixed = paired_change(before, [b + (0.25 if i % 2 else -0.25) for i, b in enumerate(before)])
+    low, high = mixed["change_ci95"]
+    assert mixed["change"] == 0.0 and -0.06 < low < 0 < high < 0.06  # mean 0, standard error 0.025
+    with pytest.raises(ValueError, match="the same problems, got 3 and 2"):
+        paired_change([0, 1, 1], [0, 1])
 
 
 def test_compute_metrics_hand_worked():

@@ -53,6 +53,11 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     for image in ("sft_loss.png", "grpo_reward.png", "partition_usage.png"):
         assert image in report and (run / image).stat().st_size > 1000
     assert "Evaluation of the `grpo` model" in report and "arith-test" in report
+    changes = {k: v for m in metrics if m["stage"] == "eval" for k, v in m.items() if "-vs-" in k}
+    for pair in ("sft-vs-init", "grpo-vs-sft"):  # each model against the one before it, paired by problem
+        low, change, high = (changes[f"{pair}/arith-test/avg@2_change{s}"] for s in ("_ci95_low", "", "_ci95_high"))
+        assert low <= change <= high
+        assert pair.replace("-vs-", " vs ") in manifest["stages"]["eval"]["summary"]
 
     again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", *sum([["--set", s] for s in SHORT], []))
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4, again.stdout[-2000:]

@@ -15,10 +15,17 @@ single-digit steps, which every split shares, let a small model add numbers it h
 operands first puts their digits right above the columns that read them (measured: 43 % vs 26 % held-out
 accuracy at level 1 for the same training, and 14 % without columns).
 
+`in_head_probability` makes a teacher that sometimes works a multi-digit sum in its head: the columns are left
+out and only the conclusion line is written. A tiny model copies the habit but not the skill (it gets most such
+one-line sums wrong on numbers it has not seen added), which gives reinforcement learning a choice to learn:
+the embedded default distills from this mixed teacher, and GRPO's gain comes largely from writing the columns
+more often (docs/pipeline.md).
+
 A problem belongs to the train or the test split by a hash of its canonical form (the numbers and
 operations, not the names in the story), so the test split never holds a train computation in new words.
 """
 import hashlib
+import re
 import random
 from typing import Callable, Sequence
 
@@ -28,6 +35,7 @@ TEST_PERCENT = 10
 
 
 PLACES = ["ones", "tens", "hundreds", "thousands"]
+OPERANDS = re.compile(r"\d+ [+-] \d+")  # the line that opens a column computation
 
 
 def _digits(n: int) -> list[int]:
@@ -147,11 +155,31 @@ def split_of(canonical: str) -> str:
     return "test" if h % 100 < TEST_PERCENT else "train"
 
 
-def generate(num_examples: int, levels: Sequence[int] = (1, 2), seed: int = 0, split: str = "train") -> list[dict]:
+def in_head(steps: list[str], rng: random.Random, probability: float) -> list[str]:
+    """Each multi-digit addition or subtraction worked in columns becomes, with `probability`, its one-line
+    conclusion, as a teacher that sometimes does a sum in its head would write it."""
+    out, i = [], 0
+    while i < len(steps):
+        conclusion = next((j for j in range(i + 1, len(steps)) if steps[j].startswith(steps[i] + " = ")), None)
+        if OPERANDS.fullmatch(steps[i]) and conclusion is not None and rng.random() < probability:
+            out.append(steps[conclusion])
+            i = conclusion + 1
+        else:
+            out.append(steps[i])
+            i += 1
+    return out
+
+
+def generate(num_examples: int, levels: Sequence[int] = (1, 2), seed: int = 0, split: str = "train",
+             in_head_probability: float = 0.0) -> list[dict]:
     """`num_examples` problems of the split, levels in turn, each row with id, problem, solution, answer,
-    level and canonical. The same arguments always give the same rows."""
+    level and canonical. The same arguments always give the same rows; `in_head_probability` changes only the
+    solutions (see `in_head`)."""
     if split not in ("train", "test"):
         raise ValueError(f"generator split must be 'train' or 'test', got {split!r}")
+    if not 0.0 <= in_head_probability <= 1.0:
+        raise ValueError(f"generator in_head_probability must be in [0, 1], got {in_head_probability}")
+    head_rng = random.Random(f"{seed}:{split}:in-head")
     unknown = sorted(set(levels) - set(LEVELS))
     if unknown or not levels:
         raise ValueError(f"generator levels must be a non-empty list from {sorted(LEVELS)}, got {list(levels)}")
@@ -162,6 +190,8 @@ def generate(num_examples: int, levels: Sequence[int] = (1, 2), seed: int = 0, s
         canonical, problem, steps, answer = LEVELS[level](rng)
         if split_of(canonical) != split:
             continue
+        if in_head_probability:
+            steps = in_head(steps, head_rng, in_head_probability)
         rows.append({
             "id": f"gen-{split}-{seed}-{len(rows)}",
             "problem": problem,

@@ -75,7 +75,7 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
     make = functools.partial(make_row, src=src, label=label)
     if src.source == "generator":
         g = src.generator
-        rows = generate(g.num_examples, g.levels, g.seed, src.split)
+        rows = generate(g.num_examples, g.levels, g.seed, src.split, g.in_head_probability)
         return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows[:src.limit])], features)
     if _is_file(src.source):
         rows = _read_file(Path(src.source), src)
