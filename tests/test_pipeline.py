@@ -63,6 +63,20 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4, again.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_sft_on_two_ray_train_workers(tmp_path):
+    """Data-parallel training through Ray Train: two TorchTrainer workers (one CPU each, gloo) run one TRL
+    SFTTrainer between them; the checkpoint holds both ranks' RNG states, as HF's Trainer writes them only when
+    the world has more than one process."""
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init,sft]",
+                 "--set", "resources.sft.num_workers=2", "--set", "resources.sft.num_cpus=1",
+                 *sum([["--set", s] for s in SHORT if s.startswith(("sft.", "data.sft"))], []))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    checkpoint = tmp_path / "tiny" / "sft" / "checkpoint-6"
+    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 6
+
+
 def test_run_refuses_a_changed_config_for_an_existing_run(tmp_path):
     first = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init]",
                    "--set", "data.sft.generator.num_examples=50")
