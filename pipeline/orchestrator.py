@@ -49,7 +49,7 @@ def execute_stage(stage: str, config: dict, run_path: str, model_path: str | Non
 def limit_cpu_threads(res) -> None:
     """Without a GPU, compute with `num_threads`, by default one thread fewer than the stage's CPUs (at least
     one). OpenMP threads spin-wait for each other, so one that shares its core with Ray's daemons, the driver or
-    an in-process vLLM engine stalls every op (measured on 2 cores: a GRPO training step of the tiny model took a
+    an in-process vLLM engine stalls every op (measured on 2 cores: a training step of the tiny model took a
     steady 1.3 s on one thread and 1.7 to 9.6 s on two). It must happen before an in-process vLLM engine starts:
     vLLM's CPU worker then freezes the count."""
     import torch

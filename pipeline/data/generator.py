@@ -25,8 +25,8 @@ A problem belongs to the train or the test split by a hash of its canonical form
 operations, not the names in the story), so the test split never holds a train computation in new words.
 """
 import hashlib
-import re
 import random
+import re
 from typing import Callable, Sequence
 
 NAMES = ["Ann", "Ben", "Cat", "Dan", "Eve", "Tom", "Mia", "Sam"]
@@ -160,8 +160,9 @@ def in_head(steps: list[str], rng: random.Random, probability: float) -> list[st
     conclusion, as a teacher that sometimes does a sum in its head would write it."""
     out, i = [], 0
     while i < len(steps):
-        conclusion = next((j for j in range(i + 1, len(steps)) if steps[j].startswith(steps[i] + " = ")), None)
-        if OPERANDS.fullmatch(steps[i]) and conclusion is not None and rng.random() < probability:
+        conclusion = OPERANDS.fullmatch(steps[i]) and next(
+            (j for j in range(i + 1, len(steps)) if steps[j].startswith(steps[i] + " = ")), None)
+        if conclusion and rng.random() < probability:
             out.append(steps[conclusion])
             i = conclusion + 1
         else:

@@ -37,7 +37,7 @@ def run(cfg, run_dir, model_path) -> dict:
                                         for key, value in m.items() if isinstance(value, (int, float))})
         results[label] = {name: m.get(headline) for name, m in scores.items()}
         summary += [f"{prefix}{name} {headline} {m.get(headline, float('nan')):.3f}" for name, m in scores.items()]
-    summary += changes(run_dir, dirs, list(results[label]), e.n)
+    summary += changes(run_dir, dirs, list(scores), e.n)
     return {"output": None, "results": results, "summary": ", ".join(summary)}
 
 
@@ -48,7 +48,7 @@ def changes(run_dir, dirs: dict, names: list[str], n: int) -> list[str]:
     for before, after in zip(labels, labels[1:]):
         for name in names:
             a, b = (per_problem_accuracy(dirs[label], name, n) for label in (before, after))
-            change = paired_change([a[i] for i in a], [b[i] for i in a])
+            change = paired_change(list(a.values()), [b[i] for i in a])
             low, high = change["change_ci95"]
             key = f"{after}-vs-{before}/{name}/avg@{n}_change"
             run_dir.log_metrics("eval", 0, {key: change["change"], f"{key}_ci95_low": low, f"{key}_ci95_high": high})
