@@ -64,17 +64,22 @@ def test_tiny_pipeline_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_on_two_ray_train_workers(tmp_path):
-    """Data-parallel training through Ray Train: two TorchTrainer workers (one CPU each, gloo) run one TRL
-    SFTTrainer between them; the checkpoint holds both ranks' RNG states, as HF's Trainer writes them only when
-    the world has more than one process."""
-    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init,sft]",
-                 "--set", "resources.sft.num_workers=2", "--set", "resources.sft.num_cpus=1",
-                 *sum([["--set", s] for s in SHORT if s.startswith(("sft.", "data.sft"))], []))
+def test_sft_and_grpo_on_two_ray_train_workers(tmp_path):
+    """Data-parallel training through Ray Train: two TorchTrainer workers (one CPU each, gloo) run one TRL trainer
+    between them, and in GRPO each rank samples its share of the rollouts from its own colocated vLLM engine.
+    Checkpoints hold both ranks' RNG states (HF's Trainer writes one per process only when there are several)."""
+    two = ["resources.sft.num_workers=2", "resources.sft.num_cpus=1", "resources.sft.num_threads=1",
+           "resources.grpo.num_workers=2", "resources.grpo.num_cpus=1", "grpo.per_device_batch_size=32"]
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init,sft,grpo]",
+                 *sum([["--set", s] for s in SHORT + two if not s.startswith("eval.")], []))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    checkpoint = tmp_path / "tiny" / "sft" / "checkpoint-6"
-    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 6
+    run = tmp_path / "tiny"
+    for checkpoint in (run / "sft" / "checkpoint-6", run / "grpo" / "checkpoint-3"):
+        assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    grpo = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if m["stage"] == "grpo" and "reward" in m]
+    assert [m["step"] for m in grpo] == [1, 2, 3]
+    assert all(m["vllm_parity"] < 0.05 and m["sampling/sampling_logp_difference/max"] < 0.05 for m in grpo)
 
 
 def test_run_refuses_a_changed_config_for_an_existing_run(tmp_path):
