@@ -150,14 +150,21 @@ def resume_checkpoint(run: RunDir, stage: str) -> Path | None:
 
 
 def save_final_model(trainer, tokenizer, out: Path) -> Path:
-    """`out` appears only complete: written beside it, then renamed."""
+    """`out` appears only complete: written beside it, then renamed. With several ranks only the main process
+    touches the directories (each rank renaming its own copy lost the model), and every rank returns once it
+    is there."""
     staging = out.with_name(f".partial-{out.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    trainer.save_model(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(staging, out)
-    fsync_dir(out.parent)
+    main = trainer.accelerator.is_main_process
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(str(staging))  # on every rank: sharded weights are gathered; the main process writes
+    if main:
+        tokenizer.save_pretrained(str(staging))
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(staging, out)
+        fsync_dir(out.parent)
+    trainer.accelerator.wait_for_everyone()
     return out
 
 
