@@ -160,9 +160,10 @@ def in_head(steps: list[str], rng: random.Random, probability: float) -> list[st
     conclusion, as a teacher that sometimes does a sum in its head would write it."""
     out, i = [], 0
     while i < len(steps):
-        conclusion = OPERANDS.fullmatch(steps[i]) and next(
-            (j for j in range(i + 1, len(steps)) if steps[j].startswith(steps[i] + " = ")), None)
-        if conclusion and rng.random() < probability:
+        conclusion = None
+        if OPERANDS.fullmatch(steps[i]):
+            conclusion = next((j for j in range(i + 1, len(steps)) if steps[j].startswith(steps[i] + " = ")), None)
+        if conclusion is not None and rng.random() < probability:
             out.append(steps[conclusion])
             i = conclusion + 1
         else:

@@ -45,9 +45,10 @@ def changes(run_dir, dirs: dict, names: list[str], n: int) -> list[str]:
     """Each model against the one before it in `eval.models` (sft against init, grpo against sft), per dataset:
     the change in avg@n with its paired 95 % interval, logged and summarised."""
     lines, labels = [], list(dirs)
+    accuracy = {(label, name): per_problem_accuracy(out, name, n) for label, out in dirs.items() for name in names}
     for before, after in zip(labels, labels[1:]):
         for name in names:
-            a, b = (per_problem_accuracy(dirs[label], name, n) for label in (before, after))
+            a, b = accuracy[before, name], accuracy[after, name]
             change = paired_change(list(a.values()), [b[i] for i in a])
             low, high = change["change_ci95"]
             key = f"{after}-vs-{before}/{name}/avg@{n}_change"
