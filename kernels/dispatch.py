@@ -46,9 +46,12 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
         raise ValueError(f"top_k must be in [1, N={N}], got {top_k}")
     if row_topk is not None and not 1 <= row_topk <= c:
         raise ValueError(f"row_topk must be in [1, c={c}], got {row_topk}")
-    if cu_seqlens is not None and (B != 1 or int(cu_seqlens[-1]) != T):
-        raise ValueError(f"cu_seqlens needs B = 1 and cu_seqlens[-1] = T = {T}; got B = {B}, "
-                         f"cu_seqlens[-1] = {int(cu_seqlens[-1])}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs B = 1, got B = {B}")
+    # Its last value is checked only where reading it is free: on a GPU that read would stop the host on every
+    # call (the vLLM step and CUDA-graph capture must never wait on the device).
+    if cu_seqlens is not None and cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens[-1] must be T = {T}, got {int(cu_seqlens[-1])}")
     if initial_state is not None:
         S = B if cu_seqlens is None else cu_seqlens.numel() - 1
         want = (S, H, N + (q_shared is not None), c, v.shape[-1])

@@ -361,10 +361,6 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def get_mamba_state_copy_func(cls) -> tuple:
         return MambaStateCopyFuncCalculator.linear_attention_state_copy_func()
 
-    def process_weights_after_loading(self) -> None:
-        """vLLM's model-level hook after the first load; from now on weights change only through a reload."""
-        self._serving = True
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors. On a serving engine only inside vLLM's layerwise reload
         (`sse_model.vllm_sync.push_weights`): a plain call there would write into tensors some kernels no longer
@@ -396,4 +392,7 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 # The head shares the embedding's Parameter but is a layer of its own, which a reload restores,
                 # loads and repacks (CPU build) separately: it must get the tensor too or it keeps the old one.
                 load("lm_head.weight", tensor)
+        # From the first load on, weights change only through a reload. (Set here rather than in the model-level
+        # process_weights_after_loading hook, which vLLM 0.25 never calls.)
+        self._serving = True
         return loaded

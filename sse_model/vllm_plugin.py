@@ -6,6 +6,9 @@ process it starts (front end, engine core, workers, the model-inspection subproc
 
 
 def register() -> None:
+    import importlib.util
+    import os
+
     from transformers import AutoConfig
     from vllm import ModelRegistry
     from vllm.platforms import current_platform
@@ -18,6 +21,11 @@ def register() -> None:
         ModelRegistry.register_model("SSEForCausalLM", "sse_model.vllm_model:SSEForCausalLM")
     if current_platform.is_cpu():
         rewind_seeded_generators_on_cpu()
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM lists flashinfer as a CUDA requirement, and 0.25's sampler imports it unguarded unless this is 0
+        # (an engine whose logprobs mode is the default dies at start without it). Air-gapped installs often
+        # leave it out; PyTorch's top-k/top-p sampling is what vLLM falls back to anyway.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 class _RestoreState:

@@ -1,0 +1,186 @@
+"""GRPO-style rollout throughput in vLLM: SSE-H against Qwen3 of the same width, depth and heads, same GPU, same
+run, vLLM's default engine (engine-core process, torch.compile, CUDA graphs, chunked prefill, async scheduling).
+
+    python bench/vllm_rollouts.py [--lengths 1024 4096 16384] [--prompts 32] [--n 8] [--out bench/results]
+
+Both models have random bf16 weights (speed does not depend on them); prompts are random 256-token ids, every
+request generates exactly the asked number of tokens (ignore_eos) at temperature 1, n rollouts per prompt. Each
+model runs in its own process, so engine start (time to a ready `vllm.LLM`) is measured from a cold process and
+memory is freed between models. Reported per model: start seconds, output tokens/s per generation length,
+vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache holds), and cache
+bytes per sequence (SSE state + attention KV) from the config.
+
+`--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
+this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# 12 layers of width 1024, 8 heads of 128 (the shape of the earlier measurement in docs/vllm-backend.md), the
+# attention layers of SSE-H at 5 and 11, n4k1 with a shared partition.
+SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
+             num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=40960,
+             tie_word_embeddings=False)
+SSE = dict(sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True, sse_lora_rank=64, attention_qk_norm=True)
+PROMPT_TOKENS = 256
+
+
+def configs():
+    from transformers import Qwen3Config
+
+    from sse_model import SSEConfig
+    from sse_model.configuration_sse import default_layer_types
+    return {"SSE-H": SSEConfig(**SHAPE, **SSE, layer_types=default_layer_types(SHAPE["num_hidden_layers"])),
+            "Qwen3": Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
+
+
+def cache_bytes_per_sequence(config, tokens: int) -> int:
+    """float32 SSE state per SSE layer (constant) plus bf16 KV per attention layer (linear in tokens)."""
+    from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
+    kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
+    state = 4 * getattr(config, "sse_num_heads", 0) * getattr(config, "num_sse_partitions_with_shared", 0) \
+        * getattr(config, "sse_key_dim", 0) * getattr(config, "sse_value_dim", 0)
+    kv = 2 * config.num_key_value_heads * config.head_dim * 2 * tokens
+    return sum(state if kind == SSE_LAYER else kv for kind in kinds)
+
+
+def worker(args) -> None:
+    """One model: start the engine, warm up, generate at each length; print one JSON line."""
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=PROMPT_TOKENS + max(args.lengths), **json.loads(args.engine))
+    start_s = time.perf_counter() - started
+    g = torch.Generator().manual_seed(0)
+
+    def run(prompts, length):
+        batch = [{"prompt_token_ids": torch.randint(0, SHAPE["vocab_size"], (PROMPT_TOKENS,), generator=g).tolist()}
+                 for _ in range(prompts)]
+        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
+                                detokenize=False)
+        t = time.perf_counter()
+        out = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
+        assert tokens == prompts * args.n * length, (tokens, prompts, args.n, length)
+        return tokens / elapsed, elapsed
+
+    run(args.prompts, 64)  # warm-up: first prefill (kernel compilation and tuning), first sampling
+    speed = {}
+    for length in args.lengths:
+        prompts = args.prompts_long if length >= args.long_from else args.prompts
+        tps, elapsed = run(prompts, length)
+        speed[length] = dict(prompts=prompts, tokens_per_s=tps, seconds=elapsed)
+        print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s)", flush=True)
+    print("RESULT " + json.dumps(dict(start_s=start_s, speed=speed)), flush=True)
+
+
+def run_model(name, path, args, log: Path) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--name", name, "--model", str(path), "--engine", args.engine,
+           "--n", str(args.n), "--prompts", str(args.prompts), "--prompts-long", str(args.prompts_long),
+           "--long-from", str(args.long_from), "--lengths", *map(str, args.lengths)]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True)
+    text = log.read_text()
+    result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode or result is None:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}); last lines of {log}:\n"
+                           + "\n".join(text.splitlines()[-30:]))
+    # vLLM logs how many sequences of max_model_len its cache holds
+    found = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.,]+)x", text)
+    result["max_concurrency"] = float(found[-1][1].replace(",", "")) if found else None
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompts-long", type=int, default=32)
+    p.add_argument("--long-from", type=int, default=1 << 30)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--models", nargs="+", default=["SSE-H", "Qwen3"])
+    p.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON (default: none)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--name", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    import transformers
+    import vllm
+    from transformers import AutoModelForCausalLM
+
+    import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, cfgs = {}, configs()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            path = Path(tmp) / name
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfgs[name], dtype=torch.bfloat16).save_pretrained(path)
+            try:
+                results[name] = run_model(name, path, args, args.out / f"vllm_rollouts_{name}.log")
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"{name}: {e}", flush=True)
+                results[name] = dict(error=str(e)[-2000:])
+    now = datetime.now(timezone.utc)
+    longest = PROMPT_TOKENS + max(args.lengths)
+    report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
+                  shape=SHAPE, sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n, engine=json.loads(args.engine),
+                  cache_mib_per_sequence={name: cache_bytes_per_sequence(cfgs[name], longest) / 2**20
+                                          for name in cfgs},
+                  results=results)
+    stem = args.out / f"vllm_rollouts_{now:%Y%m%d-%H%M}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Rollouts in vLLM {vllm.__version__}: SSE-H vs Qwen3, {report['device']}, {report['date']}", "",
+             f"bf16, random weights, {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']}, "
+             f"{SHAPE['num_attention_heads']} heads of {SHAPE['head_dim']}; SSE-H n{SSE['sse_num_partitions']}"
+             f"k{SSE['sse_top_k']} + shared, attention at 5 and 11; {PROMPT_TOKENS}-token prompts x n = {args.n}, "
+             f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", "",
+             "| measure | SSE-H | Qwen3 | SSE-H / Qwen3 |", "| --- | ---: | ---: | ---: |"]
+
+    def row(label, get, fmt):
+        """get(model name) -> number, or None where that model failed."""
+        vals = []
+        for model in ("SSE-H", "Qwen3"):
+            try:
+                vals.append(get(model))
+            except (KeyError, TypeError):
+                vals.append(None)
+        ratio = f"{vals[0] / vals[1]:.2f}" if None not in vals and vals[1] else ""
+        lines.append(f"| {label} | " + " | ".join("failed" if v is None else fmt.format(v) for v in vals)
+                     + f" | {ratio} |")
+
+    row("engine start, s", lambda m: results[m]["start_s"], "{:.0f}")
+    for length in args.lengths:
+        prompts = args.prompts_long if length >= args.long_from else args.prompts
+        row(f"output tokens/s, {prompts} prompts x {args.n} x {length} tokens",
+            lambda m, k=str(length): results[m]["speed"][k]["tokens_per_s"], "{:,.0f}")
+    row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
+    row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
