@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kernels
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
@@ -71,14 +73,42 @@ def apply_rotary(x, cos, sin):
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, kv_heads, S, d] -> [B, kv_heads * n_rep, S, d], each KV head repeated for its group of query heads."""
+    if n_rep == 1:
+        return x
+    B, kv_heads, S, d = x.shape
+    return x[:, :, None].expand(B, kv_heads, n_rep, S, d).reshape(B, kv_heads * n_rep, S, d)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                            **kwargs):
+    """Plain softmax attention; `attention_mask` is the additive float mask of `create_causal_mask` or None."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
 class SSEAttention(nn.Module):
-    """Softmax attention with RoPE, grouped-query heads and optional q/k norms (Qwen3)."""
+    """Softmax attention with RoPE, grouped-query heads and optional q/k norms (Qwen3); the kernel is the one
+    `config._attn_implementation` names."""
 
     def __init__(self, config: SSEConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
         D, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
@@ -88,7 +118,7 @@ class SSEAttention(nn.Module):
             self.q_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, *, position_embeddings, mask, cache=None, **_):
+    def forward(self, x, *, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -98,10 +128,13 @@ class SSEAttention(nn.Module):
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward)
+        o, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling,
+                                   dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        return self.o_proj(o.reshape(B, T, -1))
 
 
 class SSELayer(nn.Module):
@@ -160,9 +193,9 @@ class SSELayer(nn.Module):
         gate = F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.value_dim)
         return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))
 
-    def forward(self, x, *, token_mask=None, cu_seqlens=None, cache=None, **_):
+    def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         inputs = self.project(x, token_mask)
-        state = cache.sse_state(self.layer_idx) if cache is not None else None
+        state = past_key_values.sse_state(self.layer_idx) if past_key_values is not None else None
         common = dict(top_k=self.config.sse_top_k, row_topk=self.config.sse_row_topk)
         if state is not None and x.shape[1] == 1:
             step = {name: t[:, 0] for name, t in inputs.items()}
@@ -170,10 +203,11 @@ class SSELayer(nn.Module):
             # updates the cached state in place
             o = kernels.sse_decode(state, slots, **step, **common, impl=self.config.sse_decode_impl)[:, None]
         else:
-            o, final = kernels.sse_attention(**inputs, **common, initial_state=state, output_final_state=cache is not None,
+            o, final = kernels.sse_attention(**inputs, **common, initial_state=state,
+                                             output_final_state=past_key_values is not None,
                                              cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
-            if cache is not None:
-                cache.update_recurrent_state(final.float(), self.layer_idx)
+            if past_key_values is not None:
+                past_key_values.update_recurrent_state(final.float(), self.layer_idx)
         return self.output(o.to(x.dtype), x), inputs["router_logits"]
 
 
@@ -189,13 +223,16 @@ class SSEDecoderLayer(nn.Module):
         self.post_attention_layernorm = SSERMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SSEMLP(config)
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, *, past_key_values=None, token_mask=None, cu_seqlens=None, position_embeddings=None,
+                attention_mask=None, **kwargs):
         router_logits = None
         h = self.input_layernorm(x)
         if self.layer_type == SSE_LAYER:
-            h, router_logits = self.linear_attn(h, **kwargs)
+            h, router_logits = self.linear_attn(h, token_mask=token_mask, cu_seqlens=cu_seqlens,
+                                                past_key_values=past_key_values)
         else:
-            h = self.self_attn(h, **kwargs)
+            h = self.self_attn(h, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                               past_key_values=past_key_values, **kwargs)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, router_logits
@@ -211,7 +248,7 @@ class SSECache(DynamicCache):
 
     @property
     def is_compileable(self) -> bool:
-        return False  # keeps generate from turning the 2D attention mask into per-layer 4D masks we do not use
+        return False  # keeps generate passing the 2D attention mask, which the SSE layers need
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -250,21 +287,6 @@ def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([starts, starts.new_tensor([T])])
 
 
-def attention_mask_4d(token_mask, cu_seqlens, past_len: int, T: int, device) -> torch.Tensor:
-    """Boolean [B, 1, T, past_len + T] mask: causal, no attention to pad keys, none across packed sequences.
-    Each query may always see itself, so rows of pad queries are never empty (their output is ignored)."""
-    S = past_len + T
-    q_pos = torch.arange(T, device=device)[:, None] + past_len
-    k_pos = torch.arange(S, device=device)[None, :]
-    allowed = (k_pos <= q_pos)[None, None]
-    if token_mask is not None:
-        allowed = allowed & token_mask[:, None, None, -S:].bool()
-    if cu_seqlens is not None:
-        seg = torch.searchsorted(cu_seqlens, torch.arange(T, device=device), right=True)
-        allowed = allowed & (seg[:, None] == seg[None, :])[None, None]
-    return allowed | (k_pos == q_pos)[None, None]
-
-
 @dataclass
 class SSEModelOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
@@ -290,6 +312,9 @@ class SSEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SSEDecoderLayer"]
     _is_stateful = True
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
 
     def _init_weights(self, module):
         # Decided per Linear: transformers initialises each parameter once, children before parents, so a
@@ -329,11 +354,17 @@ class SSEModel(SSEPreTrainedModel):
                 position_ids = torch.arange(past_len, past_len + T, device=x.device)[None].expand(B, -1)
         cu_seqlens = packed_segments(position_ids) if past_len == 0 else None
 
-        layer_kwargs = dict(cache=past_key_values, cu_seqlens=cu_seqlens,
-                            token_mask=None if token_mask is None else token_mask[:, -T:])
+        # position_ids reach the attention function too: flash attention reads packed rows from them.
+        layer_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                            token_mask=None if token_mask is None else token_mask[:, -T:], **kwargs)
         if self.rotary_emb is not None:
             layer_kwargs["position_embeddings"] = self.rotary_emb(x, position_ids)
-            layer_kwargs["mask"] = attention_mask_4d(token_mask, cu_seqlens, past_len, T, x.device)
+            # create_causal_mask looks for packed rows only when given neither a 2D mask nor a cache, so it gets
+            # the mask only when something is padded and the cache only once it holds tokens: the choices the SSE
+            # layers make too (token_mask, cu_seqlens).
+            layer_kwargs["attention_mask"] = create_causal_mask(
+                config=self.config, inputs_embeds=x, attention_mask=token_mask,
+                past_key_values=past_key_values if past_len else None, position_ids=position_ids)
         router_logits = []
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
@@ -371,7 +402,7 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
                 **kwargs) -> SSECausalLMOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(out.last_hidden_state[:, keep, :])
         loss = None
