@@ -341,6 +341,9 @@ class SSEModel(SSEPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            # A cache written in the forward would be written again when checkpointed layers recompute it.
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = SSECache(self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0

@@ -325,3 +325,17 @@ def test_flash_attention_gets_packed_rows_through_position_ids(monkeypatch):
     assert mask is None
     (cu_seqlens, _), _ = prepare_fa_kwargs_from_position_ids(position_ids)
     assert cu_seqlens.tolist() == [0, 7, 8, 18]
+
+
+@pytest.mark.parametrize("name", ["sse_n4k2", "transformer"])
+def test_gradient_checkpointing_gives_the_same_gradients(name):
+    """With use_cache at its default (on), checkpointed layers must not write a cache twice on recompute."""
+    ids = torch.randint(1, 97, (2, 13))
+    grads = []
+    for checkpointing in (False, True):
+        model = model_for(name).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert rel_err(grads[1], grads[0]) < 1e-5

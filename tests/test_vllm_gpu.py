@@ -59,7 +59,8 @@ def checkpoint(tmp_path_factory):
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
-    model = SSEForCausalLM(config).cuda()
+    # trained on the torch chunked path (no Triton compilation), served and checked on the default one
+    model = SSEForCausalLM(config.__class__(**{**config.to_dict(), "sse_impl": "chunk_torch_varlen"})).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     g = torch.Generator(device="cuda").manual_seed(0)
     for step in range(300):
@@ -71,6 +72,7 @@ def checkpoint(tmp_path_factory):
         optimizer.zero_grad(set_to_none=True)
     RESULTS["train_loss_last_step"] = float(loss.detach())
     path = tmp_path_factory.mktemp("trained")
+    model.config.sse_impl = "auto"
     model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     held_out = generate(PROMPTS * 4, levels=(1, 2, 3), seed=1, split="test")

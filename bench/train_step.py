@@ -1,0 +1,114 @@
+"""Whole-model training step (forward + backward, loss over the vocabulary): SSE-H against the same model with
+every layer attention and against transformers' Qwen3 of the same shape, bf16, one GPU, one run.
+
+    python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
+
+6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
+one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
+(position ids restarting, as TRL's padding-free collator makes them). Gradient checkpointing off and on.
+Attention runs through transformers' `sdpa` in all three models. Reported: tokens/s (median of timed steps after
+one warm-up) and peak memory.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=6,
+             num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=65536,
+             tie_word_embeddings=False)
+
+
+def models():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
+    sse = dict(sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True, sse_lora_rank=64,
+               attention_qk_norm=True, sse_balance_loss_coef=0.01)
+    return {
+        "SSE-H": lambda: SSEForCausalLM(SSEConfig(**SHAPE, **sse, layer_types=[SSE_LAYER] * 5 + [ATTENTION_LAYER])),
+        "all-attention": lambda: SSEForCausalLM(SSEConfig(**SHAPE, **sse, layer_types=[ATTENTION_LAYER] * 6)),
+        "Qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default",
+                                                                                 "rope_theta": 1e6})),
+    }
+
+
+def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = build().to("cuda", torch.bfloat16).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
+    kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
+    if packed:
+        kwargs["position_ids"] = (torch.arange(T, device="cuda") % (T // 8))[None]
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(steps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(**kwargs).loss.backward()
+        torch.cuda.synchronize()
+        if i:  # the first step compiles and tunes kernels
+            times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    torch.cuda.empty_cache()
+    return dict(tokens_per_s=T / statistics.median(times), peak_gib=peak)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    builds = models()
+    rows = []
+    for T in args.lengths:
+        for packed in (False, True):
+            for checkpointing in (False, True):
+                row = dict(T=T, packed=packed, checkpointing=checkpointing)
+                for name, build in builds.items():
+                    try:
+                        row[name] = measure(build, T, packed, checkpointing, args.steps)
+                    except torch.OutOfMemoryError:
+                        row[name] = None
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    now = datetime.now(timezone.utc)
+    report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                  torch=torch.__version__, shape=SHAPE, rows=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"train_step_{now:%Y%m%d-%H%M}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    names = list(builds)
+
+    def cell(r):
+        return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
+    lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
+             "tokens/s (peak GiB)", "",
+             "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / Qwen3 |",
+             "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    for r in rows:
+        ratio = (f"{r['SSE-H']['tokens_per_s'] / r['Qwen3']['tokens_per_s']:.2f}"
+                 if r["SSE-H"] and r["Qwen3"] else "")
+        lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "
+                     + " | ".join(cell(r[n]) for n in names) + f" | {ratio} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
