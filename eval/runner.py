@@ -17,23 +17,23 @@ import os
 import zlib
 from pathlib import Path
 
-from eval import prompts
-from eval.datasets import load_benchmark
 from eval.metrics import compute_metrics
+from pipeline.data import prompts
+from pipeline.data.loaders import load_benchmark
 from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.text import last_boxed
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temperature: float = 1.0,
+def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperature: float = 1.0,
              top_p: float = 0.7, max_tokens: int = 32768, seed: int | None = 0, limit: int | None = None,
              batch_problems: int = 64, grading_timeout: float = DEFAULT_TIMEOUT_S, model_name: str = "") -> dict:
     """Generate, grade and report; returns {dataset: metrics}.
 
     `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
     when some sample is missing (a finished evaluation then reruns without starting an engine).
-    `datasets`: benchmark names or paths (eval/datasets.py). `seed` None: unseeded sampling.
+    `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source). `seed` None: unseeded sampling.
     `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
     """
     out = Path(out_dir)

@@ -91,7 +91,7 @@ class DataSource:
 class DataSettings:
     sft: DataSource = field(default_factory=DataSource)
     grpo: DataSource = field(default_factory=DataSource)
-    # Names from EVAL_PRESETS, or full sources. Held-out problems reported by the eval stage.
+    # Names from BENCHMARKS, or full sources. Held-out problems reported by the eval stage.
     eval: list[DataSource | str] = field(default_factory=list)
 
 
@@ -217,11 +217,13 @@ class Config:
         return Path(self.output_dir) / self.name
 
 
-# Evaluation sets by name (data.eval entries may be these strings).
-EVAL_PRESETS = {
+# Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
+# (pipeline.data.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
+BENCHMARKS = {
     "math500": DataSource(source="HuggingFaceH4/MATH-500", name="math500", split="test", id_field="unique_id"),
     "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
     "aime25": DataSource(source="math-ai/aime25", name="aime25", split="test"),
+    "amc23": DataSource(source="math-ai/amc23", name="amc23", split="test", prompt_field="question"),
 }
 
 
@@ -451,9 +453,9 @@ def _check(cfg: Config) -> None:
                     ["stages"])
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
-            require(entry in EVAL_PRESETS, f"data.eval[{i}]",
-                    f"unknown eval set {entry!r}{_did_you_mean(entry, list(EVAL_PRESETS), show_all=True)}; "
-                    "name a preset or give a mapping with `source`")
+            require(entry in BENCHMARKS, f"data.eval[{i}]",
+                    f"unknown eval set {entry!r}{_did_you_mean(entry, list(BENCHMARKS), show_all=True)}; "
+                    "name a benchmark or give a mapping with `source`")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

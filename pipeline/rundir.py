@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -142,6 +141,3 @@ class RunDir:
         """On resume from checkpoint `step`, forget the stage's metrics logged after it (they will be logged again)."""
         rows = [r for r in self.read_metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
         write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
-
-    def remove_stage_output(self, stage: str) -> None:
-        shutil.rmtree(self.stage_dir(stage), ignore_errors=True)

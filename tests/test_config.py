@@ -85,8 +85,8 @@ BAD = [
     ("sft: {packing: 1}", "sft.packing: expected bool, got int 1"),
     ("convert: {attention_layers: [1, x]}", "convert.attention_layers[1]: expected int, got str 'x'"),
     ("data: {eval: [{source: x.jsonl, limt: 3}]}", "data.eval[0].limt: unknown key (did you mean 'limit'?)"),
-    ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a preset "
-     "or give a mapping with `source`"),
+    ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a "
+     "benchmark or give a mapping with `source`"),
     ("model: {config: [1]}", "model.config: expected a mapping, got list [1]"),
     ("stages: [sft, init]", "stages: must be in the order init, convert, sft, grpo, eval without repeats, "
      "got ['sft', 'init']"),

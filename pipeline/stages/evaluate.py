@@ -7,11 +7,6 @@ from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
 
 
-def eval_specs(cfg) -> list:
-    """The `data.eval` entries: benchmark names (math500, aime24, ...), paths, or DataSources."""
-    return list(cfg.data.eval)
-
-
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
     """{label: model directory}: "last" is the model the stage was handed, a stage name that stage's output."""
     return {name: last_model if name == "last" else run_dir.stage_output(name) for name in cfg.eval.models}
@@ -30,7 +25,7 @@ def run(cfg, run_dir, model_path) -> dict:
 
         out = run_dir.stage_dir("eval") if cfg.eval.models == ["last"] else run_dir.stage_dir("eval") / label
         dirs[label] = out
-        scores = evaluate(engine, eval_specs(cfg), out, n=e.n, temperature=e.temperature, top_p=e.top_p,
+        scores = evaluate(engine, cfg.data.eval, out, n=e.n, temperature=e.temperature, top_p=e.top_p,
                           max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=path)
         prefix = "" if label == "last" else f"{label}/"
         run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores.items()

@@ -9,8 +9,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from eval.prompts import prompt_token_ids
 from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
+from pipeline.data.prompts import prompt_token_ids
 from pipeline.faults import fault_point
 from pipeline.rollouts import SSEVLLMGeneration, engine_kwargs
 from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
@@ -55,13 +55,12 @@ class PeriodicEval(TrainerCallback):
         if state.global_step % self.every or not state.is_world_process_zero:
             return
         from eval.runner import evaluate
-        from pipeline.stages.evaluate import eval_specs
 
         generation = self.trainer.vllm_generation
         generation.sync_weights()
         self.trainer._last_loaded_step = state.global_step
         e = self.cfg.eval
-        results = evaluate(generation.llm, eval_specs(self.cfg), self.run_dir.stage_dir("grpo") /
+        results = evaluate(generation.llm, self.cfg.data.eval, self.run_dir.stage_dir("grpo") /
                            f"eval-step-{state.global_step}", n=e.n, temperature=e.temperature, top_p=e.top_p,
                            max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit)
         self.run_dir.log_metrics("grpo", state.global_step,
