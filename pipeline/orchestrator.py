@@ -93,7 +93,7 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        worker = {"CPU": res.num_cpus, **({"GPU": res.num_gpus or 1} if res.use_gpu else {})}
+        worker = {"CPU": res.num_cpus, **({"GPU": gpus_per_worker(res)} if res.use_gpu else {})}
         trainer = TorchTrainer(
             _train_worker, train_loop_config=job,
             scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu,
@@ -102,11 +102,16 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
                                  failure_config=FailureConfig(max_failures=cfg.ray.max_failures)))
         trainer.fit()
     else:
-        task = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=cfg.ray.max_failures)
+        task = ray.remote(num_cpus=res.num_cpus, num_gpus=gpus_per_worker(res), max_retries=cfg.ray.max_failures)
         ray.get(task(execute_stage).remote(**job))
     if not result_file.exists():
         raise StageFailed(f"stage {stage} ended without a result ({result_file} missing)")
     return json.loads(result_file.read_text())
+
+
+def gpus_per_worker(res) -> float:
+    """`num_gpus` with `use_gpu` (1 when it is 0), else none (the config refuses num_gpus without use_gpu)."""
+    return (res.num_gpus or 1) if res.use_gpu else 0
 
 
 def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:

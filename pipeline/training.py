@@ -169,24 +169,22 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
 
 
 def common_training_args(cfg, stage_cfg, out: Path) -> dict:
-    """TrainingArguments shared by SFT and GRPO, from the run config and the stage's section."""
+    """TrainingArguments shared by SFT and GRPO: what the pipeline sets (`pipeline.config.SET_BY_PIPELINE`), the
+    section's own keys under TRL's names, then the section's TRL settings as the config gives them."""
     on_gpu = torch.cuda.is_available()
     return dict(
         output_dir=str(out),
-        learning_rate=stage_cfg.learning_rate,
-        lr_scheduler_type=stage_cfg.lr_scheduler,
-        warmup_steps=stage_cfg.warmup_ratio,  # transformers 5 takes a ratio here when < 1
-        per_device_train_batch_size=stage_cfg.per_device_batch_size,
-        gradient_accumulation_steps=stage_cfg.gradient_accumulation_steps,
-        gradient_checkpointing=stage_cfg.gradient_checkpointing,
-        save_strategy="steps",
-        save_steps=stage_cfg.save_steps,
-        logging_steps=stage_cfg.logging_steps,
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=cfg.model.dtype == "bfloat16" and on_gpu,
         use_cpu=not on_gpu,
         report_to=[],
-        dataloader_num_workers=0,
+        save_strategy="steps",
         save_only_model=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        per_device_train_batch_size=stage_cfg.per_device_batch_size,
+        lr_scheduler_type=stage_cfg.lr_scheduler,
+        warmup_steps=stage_cfg.warmup_ratio,  # transformers 5 takes a ratio here when < 1
+        **stage_cfg.trl,
     )

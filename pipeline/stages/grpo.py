@@ -78,23 +78,7 @@ def run(cfg, run_dir, model_path) -> dict:
     if resume is None:  # a resumed stage keeps the row its first attempt logged
         run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
     funcs, weights = rewards.build_rewards(g.rewards)
-    args = GRPOConfig(
-        **common_training_args(cfg, g, out),
-        max_steps=g.steps,
-        num_generations=g.num_generations,
-        num_iterations=g.num_iterations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        beta=g.beta,
-        epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high,
-        loss_type=g.loss_type,
-        scale_rewards=g.scale_rewards,
-        importance_sampling_level=g.importance_sampling_level,
-        mask_truncated_completions=g.mask_truncated_completions,
-        reward_weights=weights,
-    )
+    args = GRPOConfig(**common_training_args(cfg, g, out), max_steps=g.steps, reward_weights=weights)
     parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
         f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)
     callbacks = [StageCallback(run_dir, "grpo", model)]

@@ -29,17 +29,7 @@ def run(cfg, run_dir, model_path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     dataset = load_sft_dataset(cfg.data.sft)
-    args = SFTConfig(
-        **common_training_args(cfg, s, out),
-        num_train_epochs=s.epochs,
-        max_steps=s.max_steps or -1,
-        weight_decay=s.weight_decay,
-        max_grad_norm=s.max_grad_norm,
-        max_length=s.max_length,
-        packing=s.packing,
-        padding_free=s.padding_free,
-        completion_only_loss=True,
-    )
+    args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     trainer = SSESFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[StageCallback(run_dir, "sft", model)])
     resume = resume_checkpoint(run_dir, "sft")
