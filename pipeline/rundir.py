@@ -113,6 +113,21 @@ class RunDir:
     def stage_output(self, stage: str) -> str | None:
         return self.manifest()["stages"].get(stage, {}).get("output")
 
+    # --- progress -----------------------------------------------------------------------------------------
+    def write_progress(self, stage: str, **progress) -> None:
+        """`<stage>/progress.json`, which the driver's console reads (pipeline/console.py). Replaced whole by a
+        rename, so never read half-written; not fsynced: it is rewritten at every step, and a lost one is harmless."""
+        path = self.stage_dir(stage) / "progress.json"
+        tmp = path.with_name(f".progress.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(progress))
+        os.replace(tmp, path)
+
+    def read_progress(self, stage: str) -> dict | None:
+        try:
+            return json.loads((self.stage_dir(stage) / "progress.json").read_text())
+        except FileNotFoundError:
+            return None
+
     # --- metrics ------------------------------------------------------------------------------------------
     def log_metrics(self, stage: str, step: int, values: dict) -> None:
         """Append one JSON line. A line cut off by a kill is skipped by `read_metrics`."""

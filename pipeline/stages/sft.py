@@ -6,21 +6,12 @@ from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import load_sft_dataset
-from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
-                               resume_checkpoint, save_final_model)
+from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
+from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, SFTTrainer):
+class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, SFTTrainer):
     stage = "sft"
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # TRL counts the tokens it logs as `num_tokens` in an attribute that checkpoints do not keep, so a resumed
-        # run would count from 0 again. Keep the count in the trainer state (saved with every checkpoint and
-        # otherwise unused here; TRL's GRPOTrainer keeps its count there too).
-        self._total_train_tokens = self.state.num_input_tokens_seen
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.state.num_input_tokens_seen = self._total_train_tokens
-        return result
 
 
 def run(cfg, run_dir, model_path) -> dict:
