@@ -17,24 +17,26 @@ import os
 import zlib
 from pathlib import Path
 
-from eval import prompts
-from eval.datasets import load_benchmark
 from eval.metrics import compute_metrics
+from pipeline.data import prompts
+from pipeline.data.loaders import load_benchmark
 from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.text import last_boxed
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temperature: float = 1.0,
+def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperature: float = 1.0,
              top_p: float = 0.7, max_tokens: int = 32768, seed: int | None = 0, limit: int | None = None,
-             batch_problems: int = 64, grading_timeout: float = DEFAULT_TIMEOUT_S, model_name: str = "") -> dict:
+             batch_problems: int = 64, grading_timeout: float = DEFAULT_TIMEOUT_S, model_name: str = "",
+             progress=None) -> dict:
     """Generate, grade and report; returns {dataset: metrics}.
 
     `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
     when some sample is missing (a finished evaluation then reruns without starting an engine).
-    `datasets`: benchmark names or paths (eval/datasets.py). `seed` None: unseeded sampling.
+    `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source). `seed` None: unseeded sampling.
     `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
+    `progress(dataset, problems done, problems)`, if given, is called when a dataset starts and after each call.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +54,8 @@ def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temp
         finished = _load_finished(path, n)
         todo = [row for row in rows if row["id"] not in finished]
         logger.info("%s: %d problems, %d already evaluated", name, len(rows), len(rows) - len(todo))
+        if progress:
+            progress(name, len(rows) - len(todo), len(rows))
         for start in range(0, len(todo), batch_problems):
             if not hasattr(llm, "generate"):  # a factory: start the engine now that it is needed
                 llm = llm()
@@ -62,7 +66,10 @@ def evaluate(llm, datasets: list[str], out_dir: str | Path, *, n: int = 32, temp
             _append(path, samples)
             for sample in samples:
                 finished.setdefault(sample["id"], []).append(sample)
-            logger.info("%s: %d/%d problems evaluated", name, len(rows) - len(todo) + start + len(batch), len(rows))
+            done = len(rows) - len(todo) + start + len(batch)
+            logger.info("%s: %d/%d problems evaluated", name, done, len(rows))
+            if progress:
+                progress(name, done, len(rows))
         problems = [finished[i] for i in ids]
         metrics = compute_metrics(problems, max_tokens, equivalent=lambda a, b: grade([a], [b], grading_timeout)[0]
                                   == "correct")

@@ -10,42 +10,43 @@ import sys
 from pathlib import Path
 
 
-def run_main(argv) -> int:
-    from pipeline.config import ConfigError, load_config
-    from pipeline.orchestrator import StageFailed, run_pipeline
-    from pipeline.rundir import RunLocked
+VERBOSE_HELP = "also print the libraries' output (Ray, vLLM, TRL, ...), which goes to RUN_DIR/logs/<stage>.log"
 
+
+def run_main(argv) -> int:
     parser = argparse.ArgumentParser(prog="sse-rl run", description="Run the stages a config lists; running "
                                      "the same command again resumes the run.")
     parser.add_argument("config", help="YAML config (configs/tiny.yaml is the embedded CPU default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set grpo.num_generations=8 (repeatable)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
-    try:
-        run_pipeline(load_config(args.config, args.overrides))
-    except (ConfigError, StageFailed, RunLocked) as err:
-        print(f"sse-rl run: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return _run("sse-rl run", args.config, args.overrides, None, args.verbose)
 
 
 def resume_main(argv) -> int:
-    from pipeline.config import ConfigError, load_config
-    from pipeline.orchestrator import StageFailed, run_pipeline
-    from pipeline.rundir import RunLocked
-
     parser = argparse.ArgumentParser(prog="sse-rl resume", description="Continue a run directory: finished "
                                      "stages are skipped, the unfinished one continues from its last checkpoint.")
     parser.add_argument("run_dir", help="runs/<name>")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
     config = Path(args.run_dir) / "config.yaml"
     if not config.exists():
         print(f"sse-rl resume: {config} not found: not a run directory", file=sys.stderr)
         return 1
+    return _run("sse-rl resume", config, [], Path(args.run_dir), args.verbose)
+
+
+def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
+    from pipeline.config import ConfigError, load_config
+    from pipeline.console import Console
+    from pipeline.orchestrator import StageFailed, run_pipeline
+    from pipeline.rundir import RunLocked
+
     try:
-        run_pipeline(load_config(config), Path(args.run_dir))
+        run_pipeline(load_config(config, overrides), run_dir, Console.of_stdout(verbose))
     except (ConfigError, StageFailed, RunLocked) as err:
-        print(f"sse-rl resume: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     return 0
 

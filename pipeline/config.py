@@ -5,16 +5,22 @@ file's keys are merged into it (mappings merge key by key; lists and scalars rep
 overrides are parsed with YAML scalar rules and merged the same way. Every error names where the bad value
 came from and its dotted key: `configs/tiny.yaml: sft.learning_rate: expected float, got str 'abc'`.
 
+The `sft` and `grpo` sections hold the pipeline's own keys (declared below) and TRL's: any other key there is
+a field of `trl.SFTConfig` / `trl.GRPOConfig`, checked against that field's type (and choices) and passed
+through to TRL as it is. TRL is the reference for those; a few it would take from the pipeline are refused.
+
 `resolve(cfg)` gives the plain dict saved as a run's resolved config; `config_from_dict(resolve(cfg)) == cfg`.
 """
 import dataclasses
 import difflib
+import enum
+import functools
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import yaml
 
@@ -91,30 +97,49 @@ class DataSource:
 class DataSettings:
     sft: DataSource = field(default_factory=DataSource)
     grpo: DataSource = field(default_factory=DataSource)
-    # Names from EVAL_PRESETS, or full sources. Held-out problems reported by the eval stage.
+    # Names from BENCHMARKS, or full sources. Held-out problems reported by the eval stage.
     eval: list[DataSource | str] = field(default_factory=list)
 
 
 LRScheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 
+# TRL settings the pipeline sets itself, and from what; a config that sets one is refused (TRL would take the
+# config's value or the pipeline's silently, and either way one of them would be ignored).
+SET_BY_PIPELINE = {
+    "output_dir": "the run directory",
+    "seed": "the top-level seed",
+    "data_seed": "the top-level seed",
+    "bf16": "model.dtype",
+    "use_cpu": "whether the stage's workers have a GPU",
+    "report_to": "metrics go to the run's metrics.jsonl",
+    "save_strategy": "a checkpoint every save_steps",
+    "save_only_model": "checkpoints keep optimizer, scheduler and RNG state, for exact resumes",
+    "dataloader_num_workers": "0: the data position is part of the checkpoint, for exact resumes",
+    "disable_tqdm": "the console draws the progress bar; the stage log gets one line per log",
+    "resume_from_checkpoint": "the stage's last complete checkpoint",
+    "per_device_train_batch_size": "from per_device_batch_size",
+    "lr_scheduler_type": "from lr_scheduler",
+    "warmup_steps": "from warmup_ratio",
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class SFTSettings:
+    """The pipeline's own SFT keys. Any other key of the `sft` section is a field of `trl.SFTConfig`, checked
+    against that field's type and passed through (`trl`); TRL's default holds for the fields not set here."""
+
+    trl_class: ClassVar[str] = "SFTConfig"
+    # Where the pipeline's default differs from TRL's.
+    trl_defaults: ClassVar[dict] = {"learning_rate": 1e-5, "gradient_checkpointing": False, "save_steps": 100}
+    set_by_pipeline: ClassVar[dict] = {**SET_BY_PIPELINE, "num_train_epochs": "from epochs",
+                                       "completion_only_loss": "the loss is on the completion only"}
+    trl_choices: ClassVar[dict] = {}
+
     epochs: float = 1.0
-    learning_rate: float = 1e-5
     lr_scheduler: LRScheduler = "cosine"
     warmup_ratio: float = 0.0  # fraction of steps; transformers 5 takes it as TrainingArguments.warmup_steps < 1
     per_device_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_length: int = 1024
-    packing: bool = False
-    padding_free: bool = False
-    gradient_checkpointing: bool = False
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    save_steps: int = 100
-    logging_steps: int = 10
-    max_steps: int | None = None  # overrides epochs when set
+    trl: dict[str, Any] = field(default_factory=lambda: dict(SFTSettings.trl_defaults))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,35 +161,42 @@ class VLLMSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOSettings:
+    """The pipeline's own GRPO keys. Any other key of the `grpo` section is a field of `trl.GRPOConfig`, checked
+    against that field's type and passed through (`trl`); TRL's default holds for the fields not set here."""
+
+    trl_class: ClassVar[str] = "GRPOConfig"
+    # Where the pipeline's default differs from TRL's, and the settings the pipeline reads itself (the batch and
+    # checkpoint rules in `_check`, the rollout engine's context length).
+    trl_defaults: ClassVar[dict] = {
+        "learning_rate": 1e-6, "gradient_checkpointing": False, "save_steps": 50, "logging_steps": 1,
+        "max_completion_length": 1024, "num_generations": 8, "num_iterations": 1, "gradient_accumulation_steps": 1,
+        "top_p": 1.0}
+    set_by_pipeline: ClassVar[dict] = {
+        **SET_BY_PIPELINE, "max_steps": "from steps", "reward_weights": "the weights in grpo.rewards",
+        "use_vllm": "rollouts come from the colocated vLLM engine of grpo.vllm",
+        **{key: "the rollout engine is set up from grpo.vllm" for key in (
+            "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
+            "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_server_base_url", "vllm_server_host",
+            "vllm_server_port", "vllm_server_timeout", "vllm_group_port")}}
+    # TRL types these as plain strings and checks the value only at the first loss computation, hours in.
+    trl_choices: ClassVar[dict] = {
+        "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+        "scale_rewards": ("group", "batch", "none"),
+        "importance_sampling_level": ("token", "sequence")}
+
     steps: int = 100
-    learning_rate: float = 1e-6
     lr_scheduler: LRScheduler = "constant"
     warmup_ratio: float = 0.0  # a fresh Adam's first updates are sign-sized on every weight: warm up
     # Counted in completions, as in TRL: per_device_batch_size * workers * gradient_accumulation_steps
     # completions per optimizer step, which must hold whole groups of num_generations.
     per_device_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    num_generations: int = 8
-    num_iterations: int = 1  # policy updates per rollout batch (TRL's mu); > 1 makes the clip ranges matter
     max_prompt_length: int = 512
     long_prompts: Literal["skip", "error"] = "skip"  # prompts over max_prompt_length: skipped and counted, or refused
-    max_completion_length: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    beta: float = 0.0  # KL coefficient; 0 loads no reference model
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    mask_truncated_completions: bool = False
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="math_accuracy")])
-    gradient_checkpointing: bool = False
-    save_steps: int = 50
-    logging_steps: int = 1
     eval_every: int | None = None  # run the eval stage's datasets every N steps
     parity_threshold: float = 0.1  # largest |logprob(vLLM) - logprob(trainer)| allowed after a weight push
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    trl: dict[str, Any] = field(default_factory=lambda: dict(GRPOSettings.trl_defaults))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,11 +213,11 @@ class EvalSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class StageResources:
-    num_workers: int = 1
+    num_workers: int = 1  # Ray Train workers of sft and grpo; the other stages run as one Ray task
     num_cpus: float = 1.0  # per worker
     num_threads: int | None = None  # torch CPU threads per worker without a GPU; None: num_cpus - 1, at least 1
     num_gpus: float = 0.0  # per worker
-    use_gpu: bool = False
+    use_gpu: bool = False  # num_gpus GPUs per worker (1 when num_gpus is 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,11 +249,13 @@ class Config:
         return Path(self.output_dir) / self.name
 
 
-# Evaluation sets by name (data.eval entries may be these strings).
-EVAL_PRESETS = {
+# Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
+# (pipeline.data.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
+BENCHMARKS = {
     "math500": DataSource(source="HuggingFaceH4/MATH-500", name="math500", split="test", id_field="unique_id"),
     "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
     "aime25": DataSource(source="math-ai/aime25", name="aime25", split="test"),
+    "amc23": DataSource(source="math-ai/amc23", name="amc23", split="test", prompt_field="question"),
 }
 
 
@@ -251,8 +285,21 @@ def config_from_dict(data: dict, source: str = "<dict>", origins: dict[str, str]
 
 
 def resolve(cfg: Config) -> dict:
-    """The plain dict (YAML-safe) of every setting, defaults included."""
-    return dataclasses.asdict(cfg)
+    """The plain dict (YAML-safe) of every setting, defaults included; a section's TRL settings sit beside its own
+    keys, as in the file."""
+    return _plain(cfg)
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "trl"}
+        out.update(getattr(value, "trl", {}))
+        return out
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -379,21 +426,30 @@ def _convert(tp, value, key: str):
         if not isinstance(value, dict):
             raise _Invalid(key, f"expected a mapping, got {describe(value)}")
         return {k: _convert(args[1], v, _join(key, k)) for k, v in value.items()}
+    if tp in (dict, list):  # TRL's untyped containers
+        if not isinstance(value, tp):
+            raise _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # transformers' option enums: their values
+        return _convert(Literal[tuple(m.value for m in tp)], value, key)
     # bool is an int subclass and YAML writes `yes`/`true` as bool: keep numbers and flags apart.
-    ok = {bool: isinstance(value, bool),
-          int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str)}[tp]
+    checks = {bool: lambda: isinstance(value, bool),
+              int: lambda: isinstance(value, int) and not isinstance(value, bool),
+              float: lambda: isinstance(value, (int, float)) and not isinstance(value, bool),
+              str: lambda: isinstance(value, str)}
+    ok = checks[tp]() if tp in checks else isinstance(value, tp)  # another class: a YAML value never is one
     if not ok:
         raise _Invalid(key, f"expected {_type_name(tp)}, got {describe(value)}")
-    return float(value) if tp is float else value
+    return value
 
 
 def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "trl"}  # `trl` is not a key of its own
+    trl_class = getattr(cls, "trl_class", None)
+    passed = {k: v for k, v in data.items() if k not in fields} if trl_class else {}
     for k in data:
-        if k not in fields:
+        if k not in fields and not trl_class:
             raise _Invalid(_join(prefix, k), f"unknown key{_did_you_mean(str(k), list(fields), show_all=True)}")
     kwargs = {}
     for name, f in fields.items():
@@ -402,7 +458,42 @@ def _build(cls, data: dict, prefix: str):
             kwargs[name] = _convert(hints[name], data[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise _Invalid(key, "missing required key")
+    if trl_class:
+        kwargs["trl"] = {**cls.trl_defaults, **_trl_settings(cls, passed, prefix, list(fields))}
     return cls(**kwargs)
+
+
+def _trl_settings(cls, data: dict, prefix: str, own_keys: list[str]) -> dict:
+    """Check a section's keys that are not the pipeline's own against the TRL config class's fields."""
+    fields = trl_fields(cls.trl_class)
+    out = {}
+    for k, value in data.items():
+        key = _join(prefix, k)
+        if k in cls.set_by_pipeline:
+            raise _Invalid(key, f"set by the pipeline ({cls.set_by_pipeline[k]})")
+        if k not in fields:
+            close = _did_you_mean(str(k), own_keys + [f for f in fields if f not in cls.set_by_pipeline])
+            raise _Invalid(key, f"unknown key{close}" if close else f"unknown key: neither a key of the pipeline "
+                           f"({', '.join(own_keys)}) nor a field of trl.{cls.trl_class}")
+        hint, choices = fields[k]
+        choices = cls.trl_choices.get(k, choices)
+        if choices:
+            hint = Literal[tuple(choices)] | None if type(None) in typing.get_args(hint) else Literal[tuple(choices)]
+        out[k] = _convert(hint, value, key)
+    return out
+
+
+@functools.cache
+def trl_fields(name: str) -> dict[str, tuple[Any, tuple | None]]:
+    """{field: (type hint, allowed values or None)} of `trl.<name>`, TRL's own declaration of its settings.
+    Imported on first use: TRL brings torch and transformers (seconds), which the modules that import this one
+    for its dataclasses (the data loaders, `sse-rl eval`) do not need."""
+    import trl
+
+    cls = getattr(trl, name)
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], tuple(f.metadata["choices"]) if f.metadata.get("choices") else None)
+            for f in dataclasses.fields(cls) if f.init}
 
 
 def _check(cfg: Config) -> None:
@@ -425,17 +516,22 @@ def _check(cfg: Config) -> None:
     require(cfg.model.init != "scratch" or cfg.model.tokenizer.train or cfg.model.tokenizer.path is not None,
             "model.tokenizer.path", "required when model.init is 'scratch' and tokenizer.train is false",
             ["model.init", "model.tokenizer.train"])
-    g = cfg.grpo
-    require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
-    batch = g.per_device_batch_size * cfg.resources.grpo.num_workers * g.gradient_accumulation_steps
-    require(batch % g.num_generations == 0, "grpo.per_device_batch_size",
+    g, trl = cfg.grpo, cfg.grpo.trl
+    generations = trl["num_generations"]
+    require(generations is not None and generations >= 2, "grpo.num_generations",
+            f"must be at least 2, got {generations}")
+    batch = g.per_device_batch_size * cfg.resources.grpo.num_workers * trl["gradient_accumulation_steps"]
+    require(batch % generations == 0, "grpo.per_device_batch_size",
             f"per_device_batch_size * resources.grpo.num_workers * gradient_accumulation_steps = {batch} "
-            f"completions per step must be a multiple of num_generations={g.num_generations}",
+            f"completions per step must be a multiple of num_generations={generations}",
             ["grpo.num_generations", "resources.grpo.num_workers", "grpo.gradient_accumulation_steps"])
     # TRL keeps the rollout batch it reuses in memory only: a resume must start where a new batch is generated.
-    require(g.num_iterations >= 1 and g.save_steps % g.num_iterations == 0, "grpo.save_steps",
-            f"must be a multiple of num_iterations={g.num_iterations} (a checkpoint between two updates on one "
-            f"rollout batch could not resume exactly), got {g.save_steps}", ["grpo.num_iterations"])
+    iterations, save_steps = trl["num_iterations"], trl["save_steps"]
+    require(iterations >= 1 and save_steps % iterations == 0, "grpo.save_steps",
+            f"must be a multiple of num_iterations={iterations} (a checkpoint between two updates on one "
+            f"rollout batch could not resume exactly), got {save_steps}", ["grpo.num_iterations"])
+    require(trl["max_completion_length"] is not None, "grpo.max_completion_length",
+            "must be set: it sizes the rollout engine's context")
     for stage, settings in (("sft", cfg.sft), ("grpo", g)):
         ratio = settings.warmup_ratio
         require(0 <= ratio < 1, f"{stage}.warmup_ratio", f"must be in [0, 1), got {ratio}")
@@ -443,7 +539,16 @@ def _check(cfg: Config) -> None:
                 "the constant schedule ignores warmup: use lr_scheduler: constant_with_warmup",
                 [f"{stage}.lr_scheduler"])
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
-    require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
+    require(0 < trl["top_p"] <= 1, "grpo.top_p", f"must be in (0, 1], got {trl['top_p']}")
+    require(bool(cfg.eval.models), "eval.models", "must name at least one model: 'last' or stages before eval")
+    for stage in STAGES:
+        res = getattr(cfg.resources, stage)
+        require(res.num_workers == 1 or stage in ("sft", "grpo"), f"resources.{stage}.num_workers",
+                f"the {stage} stage runs as one Ray task; only sft and grpo spread over several workers, "
+                f"got {res.num_workers}")
+        require(not res.num_gpus or res.use_gpu, f"resources.{stage}.num_gpus",
+                "GPUs go to a stage with use_gpu: true (then num_gpus per worker, 1 when 0)",
+                [f"resources.{stage}.use_gpu"])
     if "eval" in stages:
         for i, model in enumerate(cfg.eval.models):
             require(model == "last" or model in stages[:stages.index("eval")], f"eval.models[{i}]",
@@ -451,9 +556,9 @@ def _check(cfg: Config) -> None:
                     ["stages"])
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
-            require(entry in EVAL_PRESETS, f"data.eval[{i}]",
-                    f"unknown eval set {entry!r}{_did_you_mean(entry, list(EVAL_PRESETS), show_all=True)}; "
-                    "name a preset or give a mapping with `source`")
+            require(entry in BENCHMARKS, f"data.eval[{i}]",
+                    f"unknown eval set {entry!r}{_did_you_mean(entry, list(BENCHMARKS), show_all=True)}; "
+                    "name a benchmark or give a mapping with `source`")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.config import Config, config_from_dict, resolve, save_config
+from pipeline.console import Console, output_to
 from pipeline.rundir import RunDir, write_atomic
 
 TRAINING_STAGES = ("sft", "grpo")
@@ -64,11 +65,17 @@ def _train_worker(loop_config: dict):
     execute_stage(**loop_config, write_result=ray.train.get_context().get_world_rank() == 0)
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config) -> bool:
+    """Start a local Ray instance or join `ray.address`; False when this process was connected already."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
+    # Ray Train replaces `print` in its workers with a logger that also echoes every line, even one printed into
+    # a captured stream: `datasets` fingerprints TRL's dataset map functions with dill, which reads globals from a
+    # `dis.dis` disassembly printed into a captured stdout, and each SFT start printed ~640 lines of bytecode.
+    # Ray Train passes this variable from the driver to its workers.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS is set under `ray job submit`
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -79,6 +86,7 @@ def start_ray(cfg: Config) -> None:
         # exit with their raylet) and the next run starts a fresh one.
         ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, include_dashboard=False,
                  log_to_driver=True)
+    return True
 
 
 def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> dict:
@@ -93,7 +101,7 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        worker = {"CPU": res.num_cpus, **({"GPU": res.num_gpus or 1} if res.use_gpu else {})}
+        worker = {"CPU": res.num_cpus, **({"GPU": gpus_per_worker(res)} if res.use_gpu else {})}
         trainer = TorchTrainer(
             _train_worker, train_loop_config=job,
             scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu,
@@ -102,11 +110,16 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
                                  failure_config=FailureConfig(max_failures=cfg.ray.max_failures)))
         trainer.fit()
     else:
-        task = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=cfg.ray.max_failures)
+        task = ray.remote(num_cpus=res.num_cpus, num_gpus=gpus_per_worker(res), max_retries=cfg.ray.max_failures)
         ray.get(task(execute_stage).remote(**job))
     if not result_file.exists():
         raise StageFailed(f"stage {stage} ended without a result ({result_file} missing)")
     return json.loads(result_file.read_text())
+
+
+def gpus_per_worker(res) -> float:
+    """`num_gpus` with `use_gpu` (1 when it is 0), else none (the config refuses num_gpus without use_gpu)."""
+    return (res.num_gpus or 1) if res.use_gpu else 0
 
 
 def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:
@@ -138,34 +151,54 @@ def _changed_keys(a, b, prefix=""):
         yield prefix.rstrip(".")
 
 
-def run_pipeline(cfg: Config, run_path: Path | None = None) -> RunDir:
+def run_pipeline(cfg: Config, run_path: Path | None = None, console: Console | None = None) -> RunDir:
+    """Run the config's stages. The console gets the lines of pipeline/console.py; what the libraries print goes
+    to the run's logs/: `<stage>.log` while a stage runs, `driver.log` before, between and after."""
+    console = console or Console.of_stdout()
+    run_dir = prepare_run_dir(cfg, Path(run_path or cfg.run_dir))
+    console.line(f"run {run_dir.path} (library output: {run_dir.logs_dir}/<stage>.log)")
+    driver_log = run_dir.logs_dir / "driver.log"
+    try:
+        with output_to(driver_log), console.follow(driver_log):
+            _run_stages(cfg, run_dir, console)
+    finally:
+        run_dir.unlock()
+    console.line(f"run finished: {run_dir.path / 'report.md'}")
+    return run_dir
+
+
+def _run_stages(cfg: Config, run_dir: RunDir, console: Console) -> None:
+    import ray
+
     from pipeline.report import write_report
 
-    run_dir = prepare_run_dir(cfg, Path(run_path or cfg.run_dir))
+    connected = start_ray(cfg)
     try:
-        start_ray(cfg)
         model_path = None
         for stage in cfg.stages:
             state = run_dir.stage_state(stage)
             if state == "done":
                 model_path = run_dir.stage_output(stage) or model_path
-                print(f"[{stage}] already done, skipped", flush=True)
+                console.line(f"[{stage}] already done, skipped")
                 continue
-            print(f"[{stage}] {'resuming' if state in ('running', 'failed') else 'starting'}", flush=True)
+            console.line(f"[{stage}] {'resuming' if state in ('running', 'failed') else 'starting'}")
             run_dir.set_stage(stage, "running")
-            result = launch(stage, cfg, run_dir, model_path)
+            log = run_dir.logs_dir / f"{stage}.log"
+            with output_to(log), console.follow(log, run_dir, stage):
+                result = launch(stage, cfg, run_dir, model_path)
             if result["status"] != "done":
                 run_dir.set_stage(stage, "failed", error=result.get("error"))
                 write_report(run_dir)
-                raise StageFailed(f"stage {stage} failed: {result.get('error')} "
-                                  f"(traceback: {run_dir.logs_dir / f'{stage}-error.log'})")
+                raise StageFailed(f"stage {stage} failed: {result.get('error')} (traceback: "
+                                  f"{run_dir.logs_dir / f'{stage}-error.log'}; its output: {log})")
             run_dir.set_stage(stage, "done", output=result.get("output"), summary=result.get("summary"),
                               seconds=result.get("seconds"))
             if stage in MODEL_STAGES:
                 model_path = result["output"]
-            print(f"[{stage}] done in {result.get('seconds')} s: {result.get('summary')}", flush=True)
+            console.line(f"[{stage}] done in {result.get('seconds')} s: {result.get('summary')}")
+            if result.get("table"):
+                console.line(result["table"])
             write_report(run_dir)
     finally:
-        run_dir.unlock()
-    print(f"run finished: {run_dir.path / 'report.md'}", flush=True)
-    return run_dir
+        if connected:  # while the output still goes to the driver log: at exit, Ray would print to the console
+            ray.shutdown()

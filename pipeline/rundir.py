@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -114,6 +113,21 @@ class RunDir:
     def stage_output(self, stage: str) -> str | None:
         return self.manifest()["stages"].get(stage, {}).get("output")
 
+    # --- progress -----------------------------------------------------------------------------------------
+    def write_progress(self, stage: str, **progress) -> None:
+        """`<stage>/progress.json`, which the driver's console reads (pipeline/console.py). Replaced whole by a
+        rename, so never read half-written; not fsynced: it is rewritten at every step, and a lost one is harmless."""
+        path = self.stage_dir(stage) / "progress.json"
+        tmp = path.with_name(f".progress.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(progress))
+        os.replace(tmp, path)
+
+    def read_progress(self, stage: str) -> dict | None:
+        try:
+            return json.loads((self.stage_dir(stage) / "progress.json").read_text())
+        except FileNotFoundError:
+            return None
+
     # --- metrics ------------------------------------------------------------------------------------------
     def log_metrics(self, stage: str, step: int, values: dict) -> None:
         """Append one JSON line. A line cut off by a kill is skipped by `read_metrics`."""
@@ -142,6 +156,3 @@ class RunDir:
         """On resume from checkpoint `step`, forget the stage's metrics logged after it (they will be logged again)."""
         rows = [r for r in self.read_metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
         write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
-
-    def remove_stage_output(self, stage: str) -> None:
-        shutil.rmtree(self.stage_dir(stage), ignore_errors=True)

@@ -55,8 +55,8 @@ def test_baselines_differ_from_tiny_only_in_architecture():
 def test_paper_recipe_numbers():
     cfg = load_config(CONFIGS[0].parent / "sse_h_2b.yaml")
     assert cfg.model.config == {"preset": "paper_2b"}
-    assert (cfg.sft.epochs, cfg.sft.max_length, cfg.data.sft.limit) == (5, 32768, 80000)
-    assert (cfg.grpo.steps, cfg.grpo.num_generations, cfg.grpo.max_completion_length) == (230, 8, 32768)
+    assert (cfg.sft.epochs, cfg.sft.trl["max_length"], cfg.data.sft.limit) == (5, 32768, 80000)
+    assert (cfg.grpo.steps, cfg.grpo.trl["num_generations"], cfg.grpo.trl["max_completion_length"]) == (230, 8, 32768)
     assert (cfg.eval.n, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
     assert cfg.data.eval == ["aime24", "aime25", "math500"]
 
@@ -70,9 +70,23 @@ def _write(tmp_path, text, name="c.yaml"):
 BAD = [
     ("sft: {learning_rate: abc}", "sft.learning_rate: expected float, got str 'abc'"),
     ("sft: {learnig_rate: 0.1}", "sft.learnig_rate: unknown key (did you mean 'learning_rate'?)"),
-    ("sft: {zzz: 1}", "sft.zzz: unknown key (valid: epochs, learning_rate, lr_scheduler, warmup_ratio, "
-     "per_device_batch_size, gradient_accumulation_steps, max_length, packing, padding_free, "
-     "gradient_checkpointing, weight_decay, max_grad_norm, save_steps, logging_steps, max_steps)"),
+    ("sft: {zzz: 1}", "sft.zzz: unknown key: neither a key of the pipeline (epochs, lr_scheduler, warmup_ratio, "
+     "per_device_batch_size) nor a field of trl.SFTConfig"),
+    ("ray: {zzz: 1}", "ray.zzz: unknown key (valid: address, num_cpus, num_gpus, max_failures)"),
+    # TRL settings: checked against trl.SFTConfig / trl.GRPOConfig, their types and declared choices
+    ("sft: {adam_beta2: high}", "sft.adam_beta2: expected float, got str 'high'"),
+    ("sft: {truncation_mode: middle}", "sft.truncation_mode: expected one of 'keep_end', 'keep_start', got str "
+     "'middle'"),
+    ("grpo: {top_entropy_quantile: [1]}", "grpo.top_entropy_quantile: expected float, got list [1]"),
+    ("sft: {output_dir: /tmp/x}", "sft.output_dir: set by the pipeline (the run directory)"),
+    ("sft: {num_train_epochs: 2}", "sft.num_train_epochs: set by the pipeline (from epochs)"),
+    ("grpo: {max_steps: 2}", "grpo.max_steps: set by the pipeline (from steps)"),
+    ("grpo: {vllm_mode: server}", "grpo.vllm_mode: set by the pipeline (the rollout engine is set up from grpo.vllm)"),
+    ("eval: {models: []}", "eval.models: must name at least one model: 'last' or stages before eval"),
+    ("resources: {eval: {num_workers: 8}}", "resources.eval.num_workers: the eval stage runs as one Ray task; only "
+     "sft and grpo spread over several workers, got 8"),
+    ("resources: {sft: {num_gpus: 1}}", "resources.sft.num_gpus: GPUs go to a stage with use_gpu: true (then "
+     "num_gpus per worker, 1 when 0)"),
     ("grpo: {rewards: [{name: math_accuracy, weight: high}]}",
      "grpo.rewards[0].weight: expected float, got str 'high'"),
     ("grpo: {rewards: [{weight: 1.0}]}", "grpo.rewards[0].name: missing required key"),
@@ -85,8 +99,8 @@ BAD = [
     ("sft: {packing: 1}", "sft.packing: expected bool, got int 1"),
     ("convert: {attention_layers: [1, x]}", "convert.attention_layers[1]: expected int, got str 'x'"),
     ("data: {eval: [{source: x.jsonl, limt: 3}]}", "data.eval[0].limt: unknown key (did you mean 'limit'?)"),
-    ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a preset "
-     "or give a mapping with `source`"),
+    ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a "
+     "benchmark or give a mapping with `source`"),
     ("model: {config: [1]}", "model.config: expected a mapping, got list [1]"),
     ("stages: [sft, init]", "stages: must be in the order init, convert, sft, grpo, eval without repeats, "
      "got ['sft', 'init']"),
@@ -130,19 +144,19 @@ def test_yaml_problems(tmp_path):
 def test_scientific_notation_is_a_float(tmp_path):
     cfg = load_config(_write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\nsft: {learning_rate: 1e-4}\n"),
                       ["grpo.learning_rate=5e-7"])
-    assert (cfg.sft.learning_rate, cfg.grpo.learning_rate) == (1e-4, 5e-7)
+    assert (cfg.sft.trl["learning_rate"], cfg.grpo.trl["learning_rate"]) == (1e-4, 5e-7)
 
 
 def test_overrides(tmp_path):
     path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}, config: {hidden_size: 128}}\n")
     cfg = load_config(path, ["grpo.num_generations=4", "data.eval=[math500, aime24]",
                              "model.config.num_hidden_layers=2", "ray.address=auto", "model.path=null"])
-    assert cfg.grpo.num_generations == 4
+    assert cfg.grpo.trl["num_generations"] == 4
     assert cfg.data.eval == ["math500", "aime24"]
     assert cfg.model.config == {"hidden_size": 128, "num_hidden_layers": 2}
     assert cfg.ray.address == "auto" and cfg.model.path is None
     for item, message in [
-        ("grpo.num_generations=abc", "--set: grpo.num_generations: expected int, got str 'abc'"),
+        ("grpo.num_generations=abc", "--set: grpo.num_generations: expected int or null, got str 'abc'"),
         ("grpo.num_genrations=8", "--set: grpo.num_genrations: unknown key (did you mean 'num_generations'?)"),
         ("grpo", "--set 'grpo': expected KEY=VALUE, e.g. --set grpo.num_generations=8"),
         ("name.x=1", "--set: name: is not a mapping, cannot set name.x"),
@@ -169,6 +183,24 @@ def test_extends_merges_and_blames_the_right_file(tmp_path):
     _write(tmp_path, "extends: child.yaml\nname: loop\n", "base.yaml")
     with pytest.raises(ConfigError, match="extends itself"):
         load_config(child)
+
+
+def test_trl_settings_pass_through(tmp_path):
+    """A TRL setting the pipeline has no key for reaches TRL's config as written; the pipeline's defaults hold where
+    they differ from TRL's; the resolved config keeps TRL settings beside the section's own keys."""
+    from pipeline.training import common_training_args
+
+    path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\nsft: {adam_beta2: 0.95, epochs: 2}\n"
+                  "grpo: {top_entropy_quantile: 0.2, loss_type: grpo}\n")
+    cfg = load_config(path)
+    assert cfg.sft.trl == {"learning_rate": 1e-5, "gradient_checkpointing": False, "save_steps": 100,
+                           "adam_beta2": 0.95}
+    args = common_training_args(cfg, cfg.sft, tmp_path / "sft")
+    assert (args["adam_beta2"], args["learning_rate"], args["per_device_train_batch_size"]) == (0.95, 1e-5, 8)
+    assert (cfg.grpo.trl["top_entropy_quantile"], cfg.grpo.trl["loss_type"]) == (0.2, "grpo")
+    resolved = resolve(cfg)
+    assert resolved["sft"]["adam_beta2"] == 0.95 and resolved["sft"]["epochs"] == 2 and "trl" not in resolved["sft"]
+    assert config_from_dict(resolved) == cfg
 
 
 def test_resolved_config_is_plain_yaml():

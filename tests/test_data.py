@@ -8,10 +8,10 @@ import datasets
 import pytest
 
 from conftest import shared_data_file
-from eval.prompts import build_prompt
 from pipeline.config import DataSource, GeneratorSettings
 from pipeline.data.generator import LEVELS, generate, split_of
 from pipeline.data.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset
+from pipeline.data.prompts import build_prompt
 from pipeline.data.tokenizer import CHAT_TEMPLATE, conversation_texts, train_tokenizer
 
 ALL_LEVELS = sorted(LEVELS)

@@ -8,12 +8,11 @@ import datasets
 import pytest
 
 from conftest import shared_data_file
-from eval import datasets as eval_datasets
-from eval.datasets import benchmark_source, load_benchmark
 from eval.metrics import bootstrap_ci, compute_metrics, length_edges, majority_score, paired_change, pass_at_k
 from eval.runner import evaluate, problem_seed
+from pipeline import config
 from pipeline.config import DataSource
-from pipeline.data.loaders import DataError
+from pipeline.data.loaders import DataError, benchmark_source, load_benchmark
 from pipeline.data.tokenizer import train_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- metrics
@@ -130,6 +129,26 @@ def test_benchmark_names_resolve_to_hugging_face_ids():
         benchmark_source("aime2024")
 
 
+def test_one_benchmark_registry_for_configs_and_sse_rl_eval(tmp_path):
+    """Every benchmark `sse-rl eval --datasets` knows is also a valid `data.eval` entry (amc23 was not)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\nmodel: {tokenizer: {train: true}}\n")
+    cfg = config.load_config(path, [f"data.eval=[{', '.join(config.BENCHMARKS)}]"])
+    assert [benchmark_source(name).source for name in cfg.data.eval] == [
+        s.source for s in config.BENCHMARKS.values()]
+    assert "amc23" in cfg.data.eval
+
+
+def test_the_task_layer_imports_neither_eval_nor_the_stages():
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.data.loaders, pipeline.data.prompts; "
+            "print([m for m in sys.modules if m.split('.')[0] == 'eval' or m.startswith('pipeline.stages')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_hugging_face_path_offline(tmp_path, monkeypatch):
     """A preset goes through datasets.load_dataset; here it points at a local dataset directory laid out like
     the Hub's MATH-500 (parquet under data/), so the same path runs without a download."""
@@ -140,7 +159,7 @@ def test_hugging_face_path_offline(tmp_path, monkeypatch):
         {"problem": "What is $2+2$?", "solution": "...", "answer": "4", "unique_id": "test/a/2.json"},
     ]).to_parquet(str(tmp_path / "data" / "test-00000-of-00001.parquet"))
     local = DataSource(source=str(tmp_path), name="math500", split="test", id_field="unique_id")
-    monkeypatch.setitem(eval_datasets.BENCHMARKS, "math500", local)
+    monkeypatch.setitem(config.BENCHMARKS, "math500", local)
     name, ds = load_benchmark("math500")
     assert name == "math500"
     assert ds["id"] == ["test/a/1.json", "test/a/2.json"] and ds["answer"] == ["2", "4"]

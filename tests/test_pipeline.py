@@ -1,6 +1,7 @@
 """The whole pipeline, shortened: `sse-rl run` on the tiny config with every stage (init, sft, grpo, eval), real
 Ray, real TRL trainers and real vLLM CPU rollouts through the SSE plugin (issue 6)."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,15 @@ SHORT = [
     "data.sft.generator.num_examples=400", "data.grpo.generator.num_examples=200",
     "eval.n=2", "eval.limit=6",
 ]
+
+
+# Every line `sse-rl run` prints on a normal run (pipeline/console.py); the eval table's rows start with "|".
+CONSOLE = re.compile(r"run \S+ \(library output: \S+/logs/<stage>\.log\)"
+                     r"|\[(init|sft|grpo|eval)\] (starting|already done, skipped|done in [\d.]+ s: .+)"
+                     r"|\[sft\] step \d+/\d+  loss [\d.]+  lr [\d.e+-]+(  [\d,]+ tokens/s)?"
+                     r"|\[grpo\] step \d+/\d+  reward [\d.]+ \(math_accuracy [\d.]+\)  parity \S+  clip [\d.]+  "
+                     r"length \d+  [\d.]+ s/step"
+                     r"|\|.+\||run finished: \S+/report\.md")
 
 
 def sse_rl(*args, timeout=900):
@@ -58,6 +68,19 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         low, change, high = (changes[f"{pair}/arith-test/avg@2_change{s}"] for s in ("_ci95_low", "", "_ci95_high"))
         assert low <= change <= high
         assert pair.replace("-vs-", " vs ") in manifest["stages"]["eval"]["summary"]
+
+    # The console has the designed lines only; what the libraries print is in the stage logs.
+    assert out.stderr == ""
+    assert [line for line in out.stdout.splitlines() if not CONSOLE.fullmatch(line)] == [], out.stdout
+    assert len([line for line in out.stdout.splitlines() if line.startswith("[sft] step ")]) == 3  # logging_steps 2
+    assert len([line for line in out.stdout.splitlines() if line.startswith("[grpo] step ")]) == 3
+    assert "| grpo | arith-test |" in out.stdout  # the eval table
+    logs = {path.name: path.read_text() for path in (run / "logs").glob("*.log")}
+    assert "Started a local Ray instance" in logs["driver.log"]
+    assert "(RayTrainWorker pid=" in logs["sft.log"] and "'loss': " in logs["sft.log"]  # Ray Train, transformers
+    assert "Disassembly of" not in "".join(logs.values())  # Ray Train's print patch echoed dill's captured output
+    for stage in ("grpo", "eval"):
+        assert "Loading safetensors checkpoint shards" in logs[f"{stage}.log"]  # vLLM's engine start
 
     again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", *sum([["--set", s] for s in SHORT], []))
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4, again.stdout[-2000:]

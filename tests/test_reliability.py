@@ -132,11 +132,9 @@ class Driver:
 
 
 def resumed_from(output: str, stage: str) -> list[str]:
-    """The checkpoint each attempt of `stage` started from, in order (one attempt per worker process)."""
-    starts = {}
-    for pid, checkpoint in re.findall(rf"pid=(\d+)\)\S*\s+\[{stage}\] resuming from \S*/(checkpoint-\d+)", output):
-        starts.setdefault(pid, checkpoint)  # Ray Train echoes a worker's line twice
-    return list(starts.values())
+    """The checkpoint each attempt of `stage` started from, in order, as the console says it (one line per
+    attempt, a worker restarted by Ray Train included)."""
+    return re.findall(rf"^\[{stage}\] resuming from (checkpoint-\d+)$", output, flags=re.MULTILINE)
 
 
 # ---------------------------------------------------------------------------------------------------- run dir

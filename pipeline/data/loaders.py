@@ -1,12 +1,16 @@
-"""Datasets for the stages, from the generator, a local JSONL/Parquet file or a Hugging Face dataset id.
+"""Datasets for the stages and for `sse-rl eval`, from the generator, a local JSONL/Parquet file, a Hugging Face
+dataset id, or a benchmark name (`pipeline.config.BENCHMARKS`).
 
 Every source is normalised to TRL's conversational formats:
   SFT:       {"prompt": [messages], "completion": [assistant message]}   (loss on the completion)
   RL, eval:  {"prompt": [messages], "answer": str, "id": str}            (rewards read `answer`)
-A text prompt becomes one user message in the shared prompt template (`eval.prompts`); a prompt that is
-already a list of chat messages is kept as it is. A malformed row raises DataError naming the source, the
+A text prompt becomes one user message in the shared prompt template (`pipeline.data.prompts`); a prompt that
+is already a list of chat messages is kept as it is. A malformed row raises DataError naming the source, the
 row (the line number for JSONL) and the field.
+
+This package is the task layer: the stages and `eval/` import it, it imports neither.
 """
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -14,9 +18,9 @@ from pathlib import Path
 import datasets
 import pyarrow.parquet as pq
 
-from eval.prompts import build_prompt, prompt_token_ids
-from pipeline.config import EVAL_PRESETS, DataSource, describe
+from pipeline.config import BENCHMARKS, DataSource, describe
 from pipeline.data.generator import generate
+from pipeline.data.prompts import build_prompt, prompt_token_ids
 
 ROLES = ("system", "user", "assistant")
 _MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
@@ -40,9 +44,25 @@ def load_rl_dataset(src: DataSource) -> datasets.Dataset:
     return _normalise(src, _rl_row, RL_FEATURES)
 
 
-def eval_source(entry: DataSource | str) -> DataSource:
-    """A `data.eval` entry as a DataSource (names come from EVAL_PRESETS)."""
-    return EVAL_PRESETS[entry] if isinstance(entry, str) else entry
+def benchmark_source(spec: str | DataSource, limit: int | None = None) -> DataSource:
+    """The DataSource of a benchmark name, a local .jsonl/.parquet file, or a Hugging Face id / dataset directory
+    (split "test"); a config's DataSource as is. `limit` keeps the first rows only."""
+    if isinstance(spec, DataSource):
+        src = spec
+    elif spec in BENCHMARKS:
+        src = BENCHMARKS[spec]
+    elif _is_file(spec) or "/" in spec or Path(spec).is_dir():
+        src = DataSource(source=spec, split="test")
+    else:
+        raise ValueError(f"unknown benchmark {spec!r}: use one of {', '.join(sorted(BENCHMARKS))}, a .jsonl or "
+                         ".parquet file, or a Hugging Face dataset id")
+    return dataclasses.replace(src, limit=limit)
+
+
+def load_benchmark(spec: str | DataSource, limit: int | None = None) -> tuple[str, datasets.Dataset]:
+    """(name for reports, rows) of a benchmark (see `benchmark_source`), rows as `load_rl_dataset` gives them."""
+    src = benchmark_source(spec, limit)
+    return source_name(src), load_rl_dataset(src)
 
 
 def source_name(src: DataSource) -> str:

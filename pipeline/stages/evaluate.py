@@ -7,11 +7,6 @@ from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
 
 
-def eval_specs(cfg) -> list:
-    """The `data.eval` entries: benchmark names (math500, aime24, ...), paths, or DataSources."""
-    return list(cfg.data.eval)
-
-
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
     """{label: model directory}: "last" is the model the stage was handed, a stage name that stage's output."""
     return {name: last_model if name == "last" else run_dir.stage_output(name) for name in cfg.eval.models}
@@ -23,29 +18,37 @@ def run(cfg, run_dir, model_path) -> dict:
     if v.kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
     headline = f"avg@{e.n}"
-    results, summary, dirs = {}, [], {}
+    scores, dirs = {}, {}
     for label, path in models_to_score(cfg, run_dir, model_path).items():
         def engine(path=path):
             return build_llm(path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization)
 
+        def progress(name, done, total, label=label):
+            run_dir.write_progress("eval", done=done, total=total, unit="problem", what=f"{label} {name}")
+
         out = run_dir.stage_dir("eval") if cfg.eval.models == ["last"] else run_dir.stage_dir("eval") / label
         dirs[label] = out
-        scores = evaluate(engine, eval_specs(cfg), out, n=e.n, temperature=e.temperature, top_p=e.top_p,
-                          max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=path)
+        scores[label] = evaluate(engine, cfg.data.eval, out, n=e.n, temperature=e.temperature, top_p=e.top_p,
+                                 max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=path,
+                                 progress=progress)
         prefix = "" if label == "last" else f"{label}/"
-        run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores.items()
+        run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores[label].items()
                                         for key, value in m.items() if isinstance(value, (int, float))})
-        results[label] = {name: m.get(headline) for name, m in scores.items()}
-        summary += [f"{prefix}{name} {headline} {m.get(headline, float('nan')):.3f}" for name, m in scores.items()]
-    summary += changes(run_dir, dirs, list(scores), e.n)
-    return {"output": None, "results": results, "summary": ", ".join(summary)}
+    paired = changes(run_dir, dirs, list(next(iter(scores.values()))), e.n)  # every model: the same datasets
+    summary = [f"{'' if label == 'last' else label + '/'}{name} {headline} {m[headline]:.3f}"
+               for label, by_name in scores.items() for name, m in by_name.items()]
+    summary += [f"{after} vs {before} on {name} {c['change']:+.3f} (95 % CI {c['low']:+.3f} to {c['high']:+.3f})"
+                for (before, after, name), c in paired.items()]
+    return {"output": None, "results": {label: {name: m[headline] for name, m in by_name.items()}
+                                        for label, by_name in scores.items()},
+            "summary": ", ".join(summary), "table": table(scores, paired, e.n)}
 
 
-def changes(run_dir, dirs: dict, names: list[str], n: int) -> list[str]:
+def changes(run_dir, dirs: dict, names: list[str], n: int) -> dict[tuple[str, str, str], dict]:
     """Each model against the one before it in `eval.models` (sft against init, grpo against sft), per dataset:
-    the change in avg@n with its paired 95 % interval, logged and summarised."""
-    lines, labels = [], list(dirs)
-    accuracy = {(label, name): per_problem_accuracy(out, name, n) for label, out in dirs.items() for name in names}
+    {(before, after, dataset): change in avg@n with its paired 95 % interval}, logged."""
+    out, labels = {}, list(dirs)
+    accuracy = {(label, name): per_problem_accuracy(path, name, n) for label, path in dirs.items() for name in names}
     for before, after in zip(labels, labels[1:]):
         for name in names:
             a, b = accuracy[before, name], accuracy[after, name]
@@ -53,5 +56,21 @@ def changes(run_dir, dirs: dict, names: list[str], n: int) -> list[str]:
             low, high = change["change_ci95"]
             key = f"{after}-vs-{before}/{name}/avg@{n}_change"
             run_dir.log_metrics("eval", 0, {key: change["change"], f"{key}_ci95_low": low, f"{key}_ci95_high": high})
-            lines.append(f"{after} vs {before} on {name} {change['change']:+.3f} (95 % CI {low:+.3f} to {high:+.3f})")
-    return lines
+            out[before, after, name] = {"change": change["change"], "low": low, "high": high}
+    return out
+
+
+def table(scores: dict, paired: dict, n: int) -> str:
+    """The console's and README's table: per model and dataset, avg@n with its interval, the paired change against
+    the model before, pass@n and maj@n, in %."""
+    change = {(after, name): c for (_, after, name), c in paired.items()}
+    lines = [f"| model | dataset | avg@{n} (95 % CI) | change (95 % CI) | pass@{n} | maj@{n} |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for label, by_name in scores.items():
+        for name, m in by_name.items():
+            low, high = m[f"avg@{n}_ci95"]
+            c = change.get((label, name))
+            moved = f"{100 * c['change']:+.1f} ({100 * c['low']:+.1f} to {100 * c['high']:+.1f})" if c else ""
+            lines.append(f"| {label} | {name} | {100 * m[f'avg@{n}']:.1f} ({100 * low:.1f}-{100 * high:.1f}) | "
+                         f"{moved} | {100 * m[f'pass@{n}']:.1f} | {100 * m[f'maj@{n}']:.1f} |")
+    return "\n".join(lines)

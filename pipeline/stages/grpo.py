@@ -9,35 +9,20 @@ from trl import GRPOConfig, GRPOTrainer
 
 import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from eval.prompts import prompt_token_ids
 from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
+from pipeline.data.prompts import prompt_token_ids
 from pipeline.faults import fault_point
-from pipeline.rollouts import SSEVLLMGeneration, engine_kwargs
-from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
-                               resume_checkpoint, save_final_model)
+from pipeline.rollouts import engine_kwargs
+from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
+from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
 
 
-class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, GRPOTrainer):
-    """GRPOTrainer whose rollout engine is `SSEVLLMGeneration` (see pipeline/rollouts.py). TRL would build its
-    own engine when `use_vllm` is set, so it is constructed with vLLM off and the engine attached after."""
+class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, GRPOTrainer):
+    """GRPOTrainer whose rollouts come from the pipeline's colocated vLLM engine (pipeline/trl_seams.py)."""
 
     stage = "grpo"
 
-    def __init__(self, *, engine, parity_ids, parity_threshold, **kwargs):
-        args = kwargs["args"]
-        args.use_vllm = False
-        super().__init__(**kwargs)
-        args.use_vllm = self.use_vllm = True
-        self.vllm_generation = SSEVLLMGeneration(
-            engine_kwargs=engine, seed_base=self._rollout_seed_base, parity_ids=parity_ids,
-            parity_threshold=parity_threshold, on_parity=lambda d: self._metrics["train"]["vllm_parity"].append(d),
-            model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
-            max_num_seqs=engine.get("max_num_seqs"), repetition_penalty=self.repetition_penalty,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
-        self._last_loaded_step = -1
-
-    def _rollout_seed_base(self) -> int:
+    def rollout_seed_base(self) -> int:
         # Called once per generate() of a training rollout. Distinct for every (seed, step, rank): each rank's
         # engine samples its own share of a prompt's copies. Request i gets base + i.
         fault_point("grpo.rollout", self.state.global_step + 1, Path(self.args.output_dir).parent)
@@ -55,13 +40,12 @@ class PeriodicEval(TrainerCallback):
         if state.global_step % self.every or not state.is_world_process_zero:
             return
         from eval.runner import evaluate
-        from pipeline.stages.evaluate import eval_specs
 
         generation = self.trainer.vllm_generation
         generation.sync_weights()
-        self.trainer._last_loaded_step = state.global_step
+        mark_weights_loaded(self.trainer, state.global_step)
         e = self.cfg.eval
-        results = evaluate(generation.llm, eval_specs(self.cfg), self.run_dir.stage_dir("grpo") /
+        results = evaluate(generation.llm, self.cfg.data.eval, self.run_dir.stage_dir("grpo") /
                            f"eval-step-{state.global_step}", n=e.n, temperature=e.temperature, top_p=e.top_p,
                            max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit)
         self.run_dir.log_metrics("grpo", state.global_step,
@@ -79,23 +63,7 @@ def run(cfg, run_dir, model_path) -> dict:
     if resume is None:  # a resumed stage keeps the row its first attempt logged
         run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
     funcs, weights = rewards.build_rewards(g.rewards)
-    args = GRPOConfig(
-        **common_training_args(cfg, g, out),
-        max_steps=g.steps,
-        num_generations=g.num_generations,
-        num_iterations=g.num_iterations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        beta=g.beta,
-        epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high,
-        loss_type=g.loss_type,
-        scale_rewards=g.scale_rewards,
-        importance_sampling_level=g.importance_sampling_level,
-        mask_truncated_completions=g.mask_truncated_completions,
-        reward_weights=weights,
-    )
+    args = GRPOConfig(**common_training_args(cfg, g, out), max_steps=g.steps, reward_weights=weights)
     parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
         f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)
     callbacks = [StageCallback(run_dir, "grpo", model)]

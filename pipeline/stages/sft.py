@@ -6,21 +6,12 @@ from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import load_sft_dataset
-from pipeline.training import (AtomicCheckpointsMixin, BalanceLossMixin, StageCallback, common_training_args,
-                               resume_checkpoint, save_final_model)
+from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
+from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, SFTTrainer):
+class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, SFTTrainer):
     stage = "sft"
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # TRL counts the tokens it logs as `num_tokens` in an attribute that checkpoints do not keep, so a resumed
-        # run would count from 0 again. Keep the count in the trainer state (saved with every checkpoint and
-        # otherwise unused here; TRL's GRPOTrainer keeps its count there too).
-        self._total_train_tokens = self.state.num_input_tokens_seen
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.state.num_input_tokens_seen = self._total_train_tokens
-        return result
 
 
 def run(cfg, run_dir, model_path) -> dict:
@@ -29,17 +20,7 @@ def run(cfg, run_dir, model_path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     dataset = load_sft_dataset(cfg.data.sft)
-    args = SFTConfig(
-        **common_training_args(cfg, s, out),
-        num_train_epochs=s.epochs,
-        max_steps=s.max_steps or -1,
-        weight_decay=s.weight_decay,
-        max_grad_norm=s.max_grad_norm,
-        max_length=s.max_length,
-        packing=s.packing,
-        padding_free=s.padding_free,
-        completion_only_loss=True,
-    )
+    args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     trainer = SSESFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[StageCallback(run_dir, "sft", model)])
     resume = resume_checkpoint(run_dir, "sft")

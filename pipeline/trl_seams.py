@@ -1,0 +1,185 @@
+"""Every place the pipeline reaches into TRL's or the Hugging Face Trainer's internals: overridden methods,
+private attributes, and behaviour neither library documents as API. tests/test_trl_seams.py has a test per
+seam that fails when the installed TRL or transformers changes what it relies on; after upgrading either,
+run it first.
+
+| seam | relies on | stage |
+| --- | --- | --- |
+| `AtomicCheckpointsMixin` | `Trainer._save_checkpoint(model, trial)` writes `checkpoint-<step>` under `self._get_output_dir(trial)`; `training_step` returns the loss before the optimizer step | sft, grpo |
+| `BalanceLossMixin` | `compute_loss`'s signature; TRL's losses call the backbone (`model.base_model`), not the model's forward; `model_accepts_loss_kwargs`, `compute_loss_func` and `current_gradient_accumulation_steps` decide whether the Trainer divides the loss | sft, grpo |
+| `TokenCountInStateMixin` | `SFTTrainer` counts the tokens it logs in `self._total_train_tokens`, which checkpoints do not keep | sft |
+| `OwnRolloutEngineMixin` | `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`; its sampling attributes (`temperature`, `top_p`, ...) | grpo |
+| `SSEVLLMGeneration` | `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through `self.llm`; the trainer calls `sync_weights()` when the step changed | grpo |
+| `log_train_metric` | `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log | grpo |
+| `mark_weights_loaded` | `GRPOTrainer._last_loaded_step` | grpo (periodic eval) |
+"""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers.trainer_utils import rotate_checkpoints
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import ensure_master_addr_port
+
+from pipeline.faults import fault_point
+from pipeline.rollouts import SeededLLM, push_and_check
+from pipeline.rundir import fsync_dir, latest_checkpoint
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
+class AtomicCheckpointsMixin:
+    """Mix in before a `transformers.Trainer` subclass.
+
+    The trainer writes `checkpoint-<step>` straight into the output directory; a kill mid-write would leave a
+    directory that looks complete. Here it writes into `.partial-checkpoint-<step>/` and renames when done, and
+    `training_step` refuses a non-finite loss before it reaches the optimizer. `stage` names the pipeline stage
+    (for fault points)."""
+
+    _staging_dir = None
+    stage = "train"
+
+    def _get_output_dir(self, trial):
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging = run_dir / f".partial-{name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        self._staging_dir = str(staging)
+        try:
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_dir = None
+            fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
+            if self.args.should_save:
+                for file in (staging / name).iterdir():
+                    with open(file, "rb") as f:
+                        os.fsync(f.fileno())  # a full disk may only show here (delayed allocation)
+        except OSError as err:  # disk full, quota, I/O error: say which checkpoint and what is still there
+            shutil.rmtree(staging, ignore_errors=True)  # a partial checkpoint is never used; give its space back
+            last = latest_checkpoint(run_dir)
+            raise CheckpointWriteError(
+                f"{name} could not be written to {staging}: {err}; the partial checkpoint was removed and the "
+                f"last complete one, {last.name if last else 'none yet'}, is kept") from err
+        if self.args.should_save:
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+            os.rename(staging / name, run_dir / name)
+            staging.rmdir()
+            fsync_dir(run_dir)
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=False)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        fault_point(f"{self.stage}.step", self.state.global_step + 1, Path(self.args.output_dir).parent)
+        if not torch.isfinite(loss).all():
+            last = latest_checkpoint(Path(self.args.output_dir))
+            raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
+                                f"and the last good checkpoint, {last.name if last else 'none yet'}, is kept")
+        return loss
+
+
+class BalanceLossMixin:
+    """TRL computes its losses from log-probabilities (SFT through a fused LM head that calls the backbone
+    directly), so the model's own loss, which adds the SSE balance term, is never used. The backbone returns the
+    balance loss; it is added here with the model's coefficient."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        captured = []
+        hook = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out.balance_loss))
+        try:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
+        coef = self.model.config.sse_balance_loss_coef
+        balance = next((b for b in captured if b is not None and b.requires_grad), None)
+        if coef and balance is not None:
+            # A per-micro-batch mean: scale it like the trainer scales the loss over gradient accumulation (the
+            # Trainer divides by the accumulation steps unless the loss was normalised by num_items_in_batch).
+            trainer_divides = (not self.model_accepts_loss_kwargs or num_items_in_batch is None) \
+                and self.compute_loss_func is None
+            extra = coef * balance / (1 if trainer_divides else self.current_gradient_accumulation_steps)
+            result = (result[0] + extra, result[1]) if return_outputs else result + extra
+        return result
+
+
+class TokenCountInStateMixin:
+    """Mix in before `trl.SFTTrainer`. TRL counts the tokens it logs as `num_tokens` in an attribute that
+    checkpoints do not keep, so a resumed run would count from 0 again. The count lives in the trainer state
+    (saved with every checkpoint and otherwise unused here; TRL's GRPOTrainer keeps its count there too)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._total_train_tokens = self.state.num_input_tokens_seen
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.state.num_input_tokens_seen = self._total_train_tokens
+        return result
+
+
+class OwnRolloutEngineMixin:
+    """Mix in before `trl.GRPOTrainer`: rollouts come from `SSEVLLMGeneration` with the engine the pipeline builds
+    (`engine`: `vllm.LLM` arguments). TRL would build its own engine when `use_vllm` is set, so the trainer is
+    constructed with vLLM off and the engine attached after. The subclass defines `rollout_seed_base()`."""
+
+    def __init__(self, *, engine: dict, parity_ids: list[int], parity_threshold: float, **kwargs):
+        args = kwargs["args"]
+        args.use_vllm = False
+        super().__init__(**kwargs)
+        args.use_vllm = self.use_vllm = True
+        self.vllm_generation = SSEVLLMGeneration(
+            engine_kwargs=engine, seed_base=self.rollout_seed_base, parity_ids=parity_ids,
+            parity_threshold=parity_threshold, on_parity=lambda drift: log_train_metric(self, "vllm_parity", drift),
+            model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
+            max_num_seqs=engine.get("max_num_seqs"), repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        mark_weights_loaded(self, -1)  # TRL's tag: the first rollout pushes the weights
+
+
+class SSEVLLMGeneration(VLLMGeneration):
+    """TRL's colocated generation with the pipeline's engine (pipeline/rollouts.py): seeded requests, and weights
+    pushed through vLLM's layerwise reload with a parity probe after each push."""
+
+    def __init__(self, *, engine_kwargs: dict, seed_base, parity_ids: list[int], parity_threshold: float,
+                 on_parity, **kwargs):
+        self.engine_kwargs, self.seed_base = engine_kwargs, seed_base
+        self.parity_ids, self.parity_threshold, self.on_parity = parity_ids, parity_threshold, on_parity
+        super().__init__(mode="colocate", **kwargs)
+
+    def _init_vllm(self):
+        from vllm import LLM
+
+        # vLLM's external launcher runs the engine in this process, inside the trainer's (possibly
+        # single-rank) process group, as TRL's colocate mode does.
+        os.environ.setdefault("RANK", str(self.accelerator.process_index))
+        os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
+        os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
+        ensure_master_addr_port()
+        self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
+                          logprobs_mode="processed_logprobs")
+        self.llm = SeededLLM(self.engine, self.seed_base)  # what TRL's generate() uses
+        self._llm_weights_sleeping = False
+        self.accelerator.wait_for_everyone()
+
+    def sync_weights(self):
+        model = self.accelerator.unwrap_model(self.model)
+        self.on_parity(push_and_check(self.engine, model, self.parity_ids, self.parity_threshold))
+
+
+def log_train_metric(trainer, name: str, value: float) -> None:
+    """Log `value` with the trainer's own metrics of this step (averaged into the next log line)."""
+    trainer._metrics["train"][name].append(value)
+
+
+def mark_weights_loaded(trainer, step: int) -> None:
+    """Tell GRPOTrainer that the engine holds the weights of `step` (-1: none yet), so it pushes them only when
+    the step has changed since."""
+    trainer._last_loaded_step = step

@@ -1,0 +1,113 @@
+"""One test per seam of pipeline/trl_seams.py: each fails when the installed TRL or transformers changes the
+internal the pipeline relies on (a private attribute, the signature of an overridden method, where the library
+calls it). The behaviour through the seams is tested end to end elsewhere (tests/test_pipeline.py,
+tests/test_reliability.py); these say which seam broke, in seconds, after an upgrade."""
+import inspect
+
+import pytest
+from transformers import Trainer, trainer_utils
+from trl import GRPOTrainer, SFTTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+
+from pipeline import trl_seams
+
+
+def source(function) -> str:
+    return inspect.getsource(function)
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(inspect.unwrap(function)).parameters)  # through TRL's profiling decorator
+
+
+@pytest.mark.parametrize("trainer", [SFTTrainer, GRPOTrainer])
+def test_atomic_checkpoints_seam(trainer):
+    """`_save_checkpoint(model, trial)` writes `checkpoint-<step>` under `_get_output_dir(trial)` (the mixin points
+    that at a staging directory); `training_step(model, inputs, num_items_in_batch)` returns the loss before the
+    optimizer steps; `rotate_checkpoints` takes the arguments the mixin passes."""
+    assert parameters(trainer._save_checkpoint) == ["self", "model", "trial"]
+    save = source(Trainer._save_checkpoint)
+    assert "self._get_output_dir(trial" in save and "checkpoint-{self.state.global_step}" in save.replace(
+        "PREFIX_CHECKPOINT_DIR}-", "checkpoint-")
+    assert parameters(trainer._get_output_dir) == ["self", "trial"]
+    assert parameters(Trainer.training_step)[:4] == ["self", "model", "inputs", "num_items_in_batch"]
+    # TRL's override takes the same arguments, or passes them on as they are
+    assert parameters(trainer.training_step)[:4] == ["self", "model", "inputs", "num_items_in_batch"] or \
+        parameters(trainer.training_step) == ["self", "args", "kwargs"]
+    assert "optimizer.step" not in source(Trainer.training_step) + source(trainer.training_step)
+    assert {"output_dir", "save_total_limit", "use_mtime"} <= set(parameters(trainer_utils.rotate_checkpoints))
+
+
+@pytest.mark.parametrize("trainer", [SFTTrainer, GRPOTrainer])
+def test_balance_loss_seam(trainer):
+    """`compute_loss(model, inputs, return_outputs, num_items_in_batch)`; the Trainer divides the loss by the
+    accumulation steps unless the model normalised it by `num_items_in_batch` (the three attributes the mixin
+    reads to scale the balance term the same way)."""
+    assert parameters(trainer.compute_loss)[:5] == ["self", "model", "inputs", "return_outputs",
+                                                     "num_items_in_batch"]
+    step = source(Trainer.training_step)
+    for name in ("model_accepts_loss_kwargs", "compute_loss_func", "current_gradient_accumulation_steps"):
+        assert name in step or name in source(Trainer), name
+    assert "current_gradient_accumulation_steps" in source(Trainer.training_step)
+
+
+def test_balance_loss_seam_trl_calls_the_backbone():
+    """TRL's SFT loss runs the model's backbone itself (a fused LM head), so the model's own loss, which adds the
+    balance term, is never used: the mixin hooks `model.base_model` instead."""
+    sft = source(SFTTrainer)
+    assert "compute_loss" in sft and ("base_model" in sft or "get_decoder" in sft or "model.model" in sft)
+
+
+def test_token_count_seam():
+    """SFTTrainer counts the tokens it logs in `self._total_train_tokens`, inside compute_loss."""
+    loss = source(SFTTrainer.compute_loss)
+    assert "self._total_train_tokens" in loss and '"num_tokens"' in loss
+
+
+def test_own_rollout_engine_seam():
+    """GRPOTrainer builds VLLMGeneration in __init__ only when `args.use_vllm`; at generation it reads
+    `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`, and calls `sync_weights()` when the step
+    changed; it has the sampling attributes the mixin hands the generation."""
+    init = source(GRPOTrainer.__init__)
+    assert "self.use_vllm = args.use_vllm" in init and "if self.use_vllm:" in init
+    assert "self.vllm_generation = VLLMGeneration(" in init and "self._last_loaded_step = -1" in init
+    for name in ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_completion_length"):
+        assert f"self.{name} = " in init, name
+    trainer = source(GRPOTrainer)
+    assert "self.state.global_step != self._last_loaded_step" in trainer
+    assert "self.vllm_generation.sync_weights()" in trainer and "self.vllm_generation.generate(" in trainer
+
+
+def test_vllm_generation_seam():
+    """VLLMGeneration takes the arguments the pipeline passes, calls `self._init_vllm()` from __init__, samples
+    through `self.llm`, and reads `_llm_weights_sleeping`; `ensure_master_addr_port` exists."""
+    passed = {"model", "accelerator", "processing_class", "mode", "max_num_seqs", "repetition_penalty",
+              "temperature", "top_p", "top_k", "min_p", "max_completion_length", "logprobs", "generation_kwargs"}
+    assert passed <= set(parameters(VLLMGeneration.__init__))
+    assert "self._init_vllm()" in source(VLLMGeneration.__init__)
+    assert "self.llm.generate(" in source(VLLMGeneration)
+    assert "_llm_weights_sleeping" in source(VLLMGeneration)
+    assert parameters(VLLMGeneration.sync_weights) == ["self"]
+    from trl.trainer.utils import ensure_master_addr_port
+
+    assert callable(ensure_master_addr_port)
+
+
+def test_train_metrics_seam():
+    """`_metrics["train"][name]` lists, created on first use, are averaged into the next log line."""
+    init, log = source(GRPOTrainer.__init__), source(GRPOTrainer.log)
+    assert "self._metrics = {" in init and "defaultdict(list)" in init
+    assert "for key, val in self._metrics[mode].items()" in log and "sum(valid) / len(valid)" in log
+
+
+def test_the_seams_module_lists_every_seam():
+    """The table in the module docstring names every class and function the module defines."""
+    doc = trl_seams.__doc__
+    for name, value in vars(trl_seams).items():
+        if getattr(value, "__module__", None) == trl_seams.__name__ and not name.startswith("_") \
+                and not issubclass_error(value):
+            assert f"`{name}`" in doc, name
+
+
+def issubclass_error(value) -> bool:
+    return isinstance(value, type) and issubclass(value, Exception)
