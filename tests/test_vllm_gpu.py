@@ -12,7 +12,7 @@ HF model in bf16 on the same GPU, chunked Triton path. Measured values go to ben
 import json
 import math
 import os
-import sys
+import runpy
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,21 +27,22 @@ RESULTS: dict = {}
 PROMPTS = 8        # prompts per check; lengths spread from a few tokens to a few hundred
 MAX_KL = 0.005     # issue 13: mean per-token KL(vLLM sampler || trainer) on sampled rollouts
 
-# fla autotunes each kernel on first use (minutes on a fresh node); correctness does not depend on the tuning.
-# bench/site's sitecustomize prunes it to one config in this process and in vLLM's engine-core process.
-os.environ.setdefault("SSE_BENCH_ONE_TRITON_CONFIG", "1")
-os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "bench" / "site"), os.environ.get("PYTHONPATH", "")])
-sys.path.insert(0, str(REPO / "bench" / "site"))
-if torch.cuda.is_available():
-    import sitecustomize  # noqa: F401  (the same hooks, in this already running process)
+@pytest.fixture(scope="module", autouse=True)
+def one_triton_config():
+    """fla autotunes each kernel on first use (minutes on a fresh node) and correctness does not depend on the
+    tuning: bench/site's sitecustomize prunes it to one config, here and in vLLM's engine-core process."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    site = str(REPO / "bench" / "site")
+    os.environ.setdefault("SSE_BENCH_ONE_TRITON_CONFIG", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
+    runpy.run_path(os.path.join(site, "sitecustomize.py"))  # the same hooks in this already running process
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """SSE-H (6 layers of 512, attention at 2 and 5, heads of 128, n4k1 + shared) trained on generated
     arithmetic for 300 steps, saved in bf16 with its tokenizer."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     from pipeline.data.generator import generate
     from pipeline.data.tokenizer import train_tokenizer
     from sse_model import SSEConfig, SSEForCausalLM
