@@ -3,11 +3,11 @@
 Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
 parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj`.
 
-SSE layers are vLLM "mamba-like" layers (`MambaBase`): each declares a float32 state of shape
-[H, N + shared, c, d_v] (DESIGN.md section 3) and vLLM allocates, assigns and frees one slot per request, exactly
-as for its linear-attention models (MiniMax, Bailing). The math is the one `kernels` operator the HF model uses:
-`kernels.sse_attention` (chunkwise, varlen over the prefills of a batch, from and to the slot states) and
-`kernels.sse_decode` (one token per request, slots updated in place).
+SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
+holds the float32 states [layers, H, N + shared, c, d_v] of a group of SSE layers (`state_groups`), and vLLM
+allocates, assigns and frees one slot per request, exactly as for its linear-attention models (MiniMax, Bailing).
+The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
+prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
 """
 from collections.abc import Iterable
 
@@ -55,10 +55,28 @@ STACKED_PARAMS = [
 ]
 
 
-def sse_state_shape(config: SSEConfig, tp_size: int) -> tuple[int, int, int, int]:
-    """Per-request state of one SSE layer on one tensor-parallel rank: [H, N + shared, c, d_v]."""
-    return (config.sse_num_heads // tp_size, config.num_sse_partitions_with_shared, config.sse_key_dim,
-            config.sse_value_dim)
+def state_groups(config: SSEConfig) -> list[list[int]]:
+    """The SSE layers whose states share one vLLM cache entry, in layer order.
+
+    vLLM splits a hybrid's cache entries into groups of equal size, the size being the count of the rarer kind,
+    and its scheduler does bookkeeping per request and per group on every step. One entry per SSE layer gives
+    (SSE layers / attention layers) + 1 groups: 6 for 10 SSE + 2 attention layers, where that bookkeeping was
+    over half of the host time of a decode step at 256 sequences (docs/vllm-backend.md). One entry per attention
+    layer, holding the states of its share of the SSE layers, gives 2 whatever the depth. Every entry has the
+    same number of layer rows (vLLM groups equal shapes only), so the last may have unused rows.
+    """
+    sse = [i for i, kind in enumerate(config.layer_types) if kind == SSE_LAYER]
+    attention = len(config.layer_types) - len(sse)
+    if not attention or not sse:
+        return [[i] for i in sse]  # a single kind of layer: vLLM makes one group of all of them anyway
+    per_entry = -(-len(sse) // attention)
+    return [sse[k:k + per_entry] for k in range(0, len(sse), per_entry)]
+
+
+def sse_state_shape(config: SSEConfig, tp_size: int) -> tuple[int, int, int, int, int]:
+    """One cache entry's state per request on one tensor-parallel rank: [layers, H, N + shared, c, d_v]."""
+    return (len(state_groups(config)[0]), config.sse_num_heads // tp_size, config.num_sse_partitions_with_shared,
+            config.sse_key_dim, config.sse_value_dim)
 
 
 def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
@@ -154,8 +172,38 @@ class SSEStateBackend(LinearAttentionBackend):
         return SSEStateMetadataBuilder
 
 
-class SSELinearAttention(nn.Module, MambaBase):
-    """The SSE layer (DESIGN.md section 3) with its state in vLLM's per-request slots.
+class SSEStates(nn.Module, MambaBase):
+    """A vLLM cache entry holding, per request slot, the states of a group of SSE layers (`state_groups`).
+
+    Created by the group's first SSE layer; every layer of the group finds it by name in vLLM's static forward
+    context and works on its own row, `kv_cache[0][:, row]` ([slots, H, N + shared, c, d_v], strided)."""
+
+    def __init__(self, shape: tuple[int, ...], prefix: str):
+        super().__init__()
+        self.state_shape = shape
+        # Mamba-like layers are not registered by vLLM itself; without this entry the layers get no state.
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    # MambaBase: what vLLM allocates per request for this entry, and who builds its metadata.
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR  # one state, copied whole between prefix-cache blocks
+
+    def get_state_shape(self) -> tuple[tuple[int, ...]]:
+        return (self.state_shape,)
+
+    def get_state_dtype(self) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    def get_attn_backend(self) -> type[SSEStateBackend]:
+        return SSEStateBackend
+
+
+class SSELinearAttention(nn.Module):
+    """The SSE layer (DESIGN.md section 3) with its state in a row of an `SSEStates` entry.
 
     The projections run in the compiled graph and go packed into the opaque custom op, which owns the state:
     one step's batch holds decodes first (one token each), then prefills. Decodes go through
@@ -169,7 +217,13 @@ class SSELinearAttention(nn.Module, MambaBase):
         self.config, self.prefix = config, prefix
         tp = get_tensor_model_parallel_world_size()
         D, H, c, dv = config.hidden_size, config.sse_num_heads, config.sse_key_dim, config.sse_value_dim
-        self.state_shape = sse_state_shape(config, tp)
+        # The cache entry holding this layer's state: created by the first layer of its group, named after it.
+        index = extract_layer_index(prefix)
+        group = next(g for g in state_groups(config) if index in g)
+        self.state_row = group.index(index)
+        self.states_name = prefix.replace(f"layers.{index}.", f"layers.{group[0]}.") + ".states"
+        if self.state_row == 0:
+            self.states = SSEStates(sse_state_shape(config, tp), self.states_name)
         self.num_heads, self.value_dim = H // tp, dv
         # Names as in the HF SSELayer (q/k/v stacked); head-sized outputs split over tensor-parallel ranks,
         # the router and low-rank down projections replicated.
@@ -196,25 +250,11 @@ class SSELinearAttention(nn.Module, MambaBase):
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
 
-        # Mamba-like layers are not registered by vLLM itself; without this entry the layer gets no state.
+        # The custom op finds this layer by name in the static forward context.
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
-
-    # MambaBase: what vLLM allocates per request for this layer, and who builds its metadata.
-    @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.LINEAR  # one state, copied whole between prefix-cache blocks
-
-    def get_state_shape(self) -> tuple[tuple[int, ...]]:
-        return (self.state_shape,)
-
-    def get_state_dtype(self) -> tuple[torch.dtype]:
-        return (torch.float32,)
-
-    def get_attn_backend(self) -> type[SSEStateBackend]:
-        return SSEStateBackend
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The HF `SSELayer.forward` on vLLM's batch layout: x [T, D] -> [T, D]."""
@@ -238,10 +278,11 @@ class SSELinearAttention(nn.Module, MambaBase):
 
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
         """The custom op's body: `hidden_states` are the packed inputs, `output` gets o [T, H, d_v]."""
-        metadata = get_forward_context().attn_metadata
-        if metadata is None:  # profiling / dummy run: no slots
+        context = get_forward_context()
+        if context.attn_metadata is None:  # profiling / dummy run: no slots
             return
-        metadata = metadata[self.prefix]
+        metadata = context.attn_metadata[self.states_name]
+        state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
         num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
         parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
         heads = lambda t: t.view(num_tokens, self.num_heads, -1)  # noqa: E731
@@ -249,10 +290,11 @@ class SSELinearAttention(nn.Module, MambaBase):
                       log_decay=heads(F.logsigmoid(parts[3].float())) / self.config.sse_decay_normalizer)
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        output[:num_tokens] = self._recur(inputs, metadata)
+        output[:num_tokens] = self._recur(inputs, metadata, state)
 
-    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata) -> torch.Tensor:
-        state = self.kv_cache[0]                       # [num_slots, H, N + shared, c, d_v] float32
+    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata,
+               state: torch.Tensor) -> torch.Tensor:
+        """state: this layer's [num_slots, H, N + shared, c, d_v] float32 view of its cache entry."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
         parts = []

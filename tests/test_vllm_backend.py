@@ -37,7 +37,9 @@ CONFIGS = {
     "n4k1": dict(layer_types=[S, A, S, S], num_hidden_layers=4, sse_num_partitions=4, sse_top_k=1,
                  attention_qk_norm=True, attention_bias=True, sse_gate_bias=True,
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "n8k2_row_sparse": dict(layer_types=[S, A, S], num_hidden_layers=3, sse_num_partitions=8, sse_top_k=2,
+    # two attention layers, so each SSE state entry holds one layer and the attention block (sized to hold an
+    # entry) stays shorter than the generations: requests outgrow their blocks and get preempted
+    "n8k2_row_sparse": dict(layer_types=[S, A, S, A], num_hidden_layers=4, sse_num_partitions=8, sse_top_k=2,
                             sse_row_topk=8, sse_qkv_bias=True),
     "gla": dict(layer_types=[S] * 3, num_hidden_layers=3, sse_num_partitions=1, sse_top_k=1,
                 sse_shared_partition=False, tie_word_embeddings=True),
@@ -49,7 +51,7 @@ CONFIGS = {
 COMMON = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
 ENGINES = {
     # the production path: torch.compile (the SSE layer is an opaque custom op), prefix caching, default scheduler
-    "n4k1": dict(COMMON),
+    "n4k1": dict(COMMON, max_model_len=1024),
     # chunked prefill in 16-token steps next to decodes; a cache so small that long generations get preempted
     "n8k2_row_sparse": dict(COMMON, enforce_eager=True, max_num_batched_tokens=16, kv_cache_memory_bytes=1_500_000,
                             max_num_seqs=8, disable_log_stats=False),
@@ -72,9 +74,15 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     engines, twins, steps = {}, {}, {}
 
+    def model_of(name):
+        return engines[name].llm_engine.model_executor.driver_worker.model_runner.model
+
     def sse_layers(name):
-        model = engines[name].llm_engine.model_executor.driver_worker.model_runner.model
-        return [m for m in model.modules() if type(m).__name__ == "SSELinearAttention"]
+        return [m for m in model_of(name).modules() if type(m).__name__ == "SSELinearAttention"]
+
+    def state_of(name, layer):
+        """The layer's [slots, H, N + shared, c, d_v] view of the cache entry holding its state."""
+        return model_of(name).get_submodule(layer.states_name).kv_cache[0][:, layer.state_row]
 
     def start(name, path, kwargs):
         engines[name] = LLM(model=path, **kwargs)
@@ -84,14 +92,14 @@ def _serve(read_fd: int, write_fd: int) -> None:
             layer, steps[name] = layers[0], []
             recur = layer._recur
 
-            def counting(inputs, md):
+            def counting(inputs, md, state):
                 n, p = md.num_decodes, md.num_prefills
                 qsl = md.query_start_loc[n:n + p + 1]
                 context = md.seq_lens[n:n + p] - (qsl[1:] - qsl[:-1])
                 steps[name].append((n, p, int(context.max()) if p else 0))
-                return recur(inputs, md)
+                return recur(inputs, md, state)
             layer._recur = counting
-        return [layer.kv_cache[0].is_contiguous() for layer in layers]
+        return [state_of(name, layer).is_contiguous() for layer in layers]
 
     def generate(name, prompts, sampling):
         outs = engines[name].generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling),
@@ -115,7 +123,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
         """Fill every SSE state slot with noise, as if other requests had just used them."""
         engines[name].reset_prefix_cache()
         for layer in sse_layers(name):
-            layer.kv_cache[0].normal_(0.0, 10.0)
+            state_of(name, layer).normal_(0.0, 10.0)
 
     def direct_load(name, key):
         model = engines[name].llm_engine.model_executor.driver_worker.model_runner.model
@@ -141,7 +149,12 @@ def _serve(read_fd: int, write_fd: int) -> None:
         register(), register()  # idempotent
         return "SSEForCausalLM" in ModelRegistry.get_supported_archs()
 
+    def cache_groups(name):
+        runner = engines[name].llm_engine.model_executor.driver_worker.model_runner
+        return [sorted(group.layer_names) for group in runner.kv_cache_config.kv_cache_groups]
+
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
+                    cache_groups=cache_groups,
                     steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry,
                     servable=servable, parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -296,6 +309,27 @@ def test_plugin_entry_point_and_idempotent_registration(worker):
     assert worker("registry")
 
 
+@pytest.mark.parametrize("layer_types,groups", [
+    ([S, A, S, S], [[0, 2, 3]]),
+    ([S] * 5 + [A] + [S] * 5 + [A], [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]),
+    ([S] * 5 + [A] + [S] * 4 + [A], [[0, 1, 2, 3, 4], [6, 7, 8, 9]]),  # the last entry has an unused row
+    ([S, S, S], [[0], [1], [2]]),
+    ([A, A], []),
+])
+def test_state_groups_one_cache_entry_per_attention_layer(layer_types, groups):
+    from sse_model.vllm_model import state_groups
+    config = SSEConfig(**{**BASE, "layer_types": layer_types, "num_hidden_layers": len(layer_types)})
+    assert state_groups(config) == groups
+
+
+def test_a_hybrid_has_two_kv_cache_groups(worker):
+    """vLLM's scheduler does bookkeeping per request and per cache group on every step: SSE-H gives it one
+    group of attention layers and one of SSE state entries, whatever its depth."""
+    groups = worker("cache_groups", worker.engine("n4k1"))
+    assert groups == [["model.layers.1.self_attn.attn"], ["model.layers.0.linear_attn.states"]] or \
+        groups == [["model.layers.0.linear_attn.states"], ["model.layers.1.self_attn.attn"]], groups
+
+
 @pytest.fixture(scope="module")
 def greedy_runs(worker, hf):
     """Per config: vLLM's greedy outputs for a batch of prompts of different lengths, and HF's."""
@@ -378,7 +412,8 @@ def test_new_request_starts_from_zero_state(worker, hf):
 
 def test_prefix_cache_hit_continues_from_cached_state(worker, hf):
     name = worker.engine("n4k1")
-    shared, = prompts_for(hf[name].config.vocab_size, lengths=(300,), seed=4)
+    # hits come in whole blocks, and a hybrid's attention block holds an SSE state entry (512 tokens here)
+    shared, = prompts_for(hf[name].config.vocab_size, lengths=(530,), seed=4)
     prompts = [shared + [5, 6, 7], shared + [8, 9]]
     first = worker("generate", name, prompts[:1], greedy(max_tokens=16))
     second = worker("generate", name, prompts[1:], greedy(max_tokens=16))
