@@ -83,7 +83,7 @@ def pick_implementation(device: torch.device, num_tokens: int | None = None) -> 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                   row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                   impl="auto"):
-    """SSE over whole sequences (DESIGN.md section 3).
+    """SSE over whole sequences (docs/model.md).
 
     q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
     With `cu_seqlens` (B = 1), each segment starts from its own initial state and returns its own final state.

@@ -59,7 +59,7 @@ class SSEConfig(PreTrainedConfig):
     attention_qk_norm: bool = False
     attention_dropout: float = 0.0
     rope_parameters: dict | None = None
-    # SSE layers (DESIGN.md section 3); None means "same as the attention layers"
+    # SSE layers (docs/model.md); None means "same as the attention layers"
     sse_num_heads: int | None = None
     sse_key_dim: int | None = None
     sse_value_dim: int | None = None

@@ -5,7 +5,7 @@
 
 Layers kept as softmax attention, the MLPs, norms, embeddings and head are copied exactly (RoPE settings, q/k norms,
 q/k/v biases and tied embeddings included), so a conversion that keeps every layer reproduces the source's logits.
-The other attention layers become SSE layers (DESIGN.md section 3) built from the attention they replace.
+The other attention layers become SSE layers (docs/model.md) built from the attention they replace.
 
 How an SSE layer is initialised, and why (measurements: docs/conversion.md, `python -m sse_model.bench_convert`):
 - W_q, W_k, W_v, W_o come from the attention; grouped-query K/V heads are repeated so that SSE query head h uses

@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kernels
+from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 
 
@@ -138,7 +139,7 @@ class SSEAttention(nn.Module):
 
 
 class SSELayer(nn.Module):
-    """Sparse State Expansion (DESIGN.md section 3): N routed partitions + a shared one, GLA-style decay.
+    """Sparse State Expansion (docs/model.md): N routed partitions + a shared one, GLA-style decay.
 
     The state is H x (N + shared) x c x d_v per sequence; the math itself is `kernels.sse_attention`.
     """
@@ -173,15 +174,17 @@ class SSELayer(nn.Module):
         """Everything the SSE operator takes, from hidden states x [B, T, D]. Pad tokens (token_mask 0) get zero
         v and zero log-decay, which leaves every state untouched."""
         B, T, _ = x.shape
-        heads = lambda t: t.view(B, T, self.num_heads, -1)  # noqa: E731
+
+        def heads(t):
+            return t.view(B, T, self.num_heads, -1)
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        log_decay = heads(F.logsigmoid(self.decay_up(self.decay_down(x)).float())) / self.config.sse_decay_normalizer
+        log_decay = heads(sse_math.log_decay(self.decay_up(self.decay_down(x)), self.config.sse_decay_normalizer))
         inputs = dict(q=q, k_logits=k, v=v, log_decay=log_decay, router_logits=self.router(x))
         if self.config.sse_shared_partition:
-            inputs["q_shared"], inputs["k_shared_logits"] = q, k
-            if hasattr(self, "q_shared_up"):
-                inputs["q_shared"] = q + heads(self.q_shared_up(self.q_shared_down(x)))
-                inputs["k_shared_logits"] = k + heads(self.k_shared_up(self.k_shared_down(x)))
+            lora = hasattr(self, "q_shared_up")
+            inputs["q_shared"], inputs["k_shared_logits"] = sse_math.shared_partition_qk(
+                q, k, heads(self.q_shared_up(self.q_shared_down(x))) if lora else None,
+                heads(self.k_shared_up(self.k_shared_down(x))) if lora else None)
         if token_mask is not None:
             keep = token_mask[:, :, None, None].to(v.dtype)
             inputs["v"], inputs["log_decay"] = v * keep, log_decay * keep
@@ -190,8 +193,8 @@ class SSELayer(nn.Module):
     def output(self, o, x):
         """Per-head RMSNorm, swish output gate, output projection."""
         B, T, _ = x.shape
-        gate = F.silu(self.g_proj(x)).view(B, T, self.num_heads, self.value_dim)
-        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))
+        gate = self.g_proj(x).view(B, T, self.num_heads, self.value_dim)
+        return self.o_proj(sse_math.gated_output(self.o_norm(o), gate).reshape(B, T, -1))
 
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         inputs = self.project(x, token_mask)

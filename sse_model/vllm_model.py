@@ -12,7 +12,6 @@ prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one 
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
@@ -43,6 +42,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.selector import get_attn_backend
 
 import kernels
+from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint.
@@ -203,7 +203,7 @@ class SSEStates(nn.Module, MambaBase):
 
 
 class SSELinearAttention(nn.Module):
-    """The SSE layer (DESIGN.md section 3) with its state in a row of an `SSEStates` entry.
+    """The SSE layer (docs/model.md) with its state in a row of an `SSEStates` entry.
 
     The projections run in the compiled graph and go packed into the opaque custom op, which owns the state:
     one step's batch holds decodes first (one token each), then prefills. Decodes go through
@@ -265,15 +265,13 @@ class SSELinearAttention(nn.Module):
         router, _ = self.router(hidden_states)
         packed = [qkv, decay, router]
         if self.config.sse_shared_partition:
-            q_shared, k_shared = q, k
-            if self.lora:
-                q_shared = q + self.q_shared_up(self.q_shared_down(hidden_states)[0])[0]
-                k_shared = k + self.k_shared_up(self.k_shared_down(hidden_states)[0])[0]
-            packed += [q_shared, k_shared]
+            packed += sse_math.shared_partition_qk(
+                q, k, self.q_shared_up(self.q_shared_down(hidden_states)[0])[0] if self.lora else None,
+                self.k_shared_up(self.k_shared_down(hidden_states)[0])[0] if self.lora else None)
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
         torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
         gate, _ = self.g_proj(hidden_states)
-        out, _ = self.o_proj((self.o_norm(o) * F.silu(gate).view_as(o)).view(T, -1))
+        out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
         return out
 
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
@@ -285,9 +283,11 @@ class SSELinearAttention(nn.Module):
         state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
         num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
         parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
-        heads = lambda t: t.view(num_tokens, self.num_heads, -1)  # noqa: E731
+
+        def heads(t):
+            return t.view(num_tokens, self.num_heads, -1)
         inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4],
-                      log_decay=heads(F.logsigmoid(parts[3].float())) / self.config.sse_decay_normalizer)
+                      log_decay=heads(sse_math.log_decay(parts[3], self.config.sse_decay_normalizer)))
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
         output[:num_tokens] = self._recur(inputs, metadata, state)

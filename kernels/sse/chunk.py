@@ -1,4 +1,4 @@
-"""SSE through one chunked GLA call: the two training-path layouts (DESIGN.md section 3, "Equivalences").
+"""SSE through one chunked GLA call: the two training-path layouts (docs/model.md, "Equivalences").
 
 Partition i's contribution is GLA on the tokens that selected i with inputs (w q, w k, v, log a), so both paths
 only rearrange tensors around a GLA core passed in as `gla` (torch on CPU, a Triton kernel on GPU).

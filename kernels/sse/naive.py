@@ -1,4 +1,4 @@
-"""SSE as a plain token loop in float64: the ground truth (DESIGN.md section 3, step by step)."""
+"""SSE as a plain token loop in float64: the ground truth (docs/model.md, "The layer", step by step)."""
 import torch
 
 from kernels.gla.naive import segments

@@ -9,7 +9,7 @@ import torch
 def route(router_logits: torch.Tensor, top_k: int):
     """Router weights softmax-ed over all N partitions, and the top-K partitions with their weights.
 
-    The selected weights are not renormalised (DESIGN.md section 3), so the router gets gradients even at K = 1.
+    The selected weights are not renormalised (docs/model.md), so the router gets gradients even at K = 1.
     Returns (weights [..., N], topk_index [..., K], topk_weight [..., K]).
     """
     weights = torch.softmax(router_logits.float() if router_logits.dtype != torch.float64 else router_logits, -1)

@@ -2,7 +2,7 @@
 
 The GLA core defaults to flash-linear-attention's `chunk_gla` (imported on first use, so this module imports
 without fla); tests on CPU pass `gla=kernels.gla.chunk_gla_torch` to check our kernels under the interpreter.
-Layouts (DESIGN.md section 3, "Equivalences"; the same as kernels/sse/chunk.py, which is their torch twin):
+Layouts (docs/model.md, "Equivalences"; the same as kernels/sse/chunk.py, which is their torch twin):
 - varlen: K + shared rows per token, grouped by (segment, partition) by the counting sort in `routing.py`,
   one GLA call over S * (N + shared) segments. Work ~ (K + shared) tokens.
 - mask: N + shared rows per token at t * P + p, unselected ones inactive, partitions folded into heads,
