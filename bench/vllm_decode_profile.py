@@ -55,8 +55,7 @@ def main():
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-    from vllm_rollouts import PROMPT_TOKENS, SHAPE, configs
+    from vllm_rollouts import PROMPT_TOKENS, SHAPE, configs  # configs() imports sse_model: registers sse_hybrid
 
     path = Path(tempfile.mkdtemp()) / args.model
     torch.manual_seed(0)

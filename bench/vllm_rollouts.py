@@ -15,7 +15,6 @@ this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it severa
 """
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -128,8 +127,6 @@ def main(argv=None):
     import vllm
     from transformers import AutoModelForCausalLM
 
-    import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-
     args.out.mkdir(parents=True, exist_ok=True)
     results, cfgs = {}, configs()
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +141,8 @@ def main(argv=None):
                 results[name] = dict(error=str(e)[-2000:])
     now = datetime.now(timezone.utc)
     longest = PROMPT_TOKENS + max(args.lengths)
-    report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = dict(date=now.isoformat(timespec="seconds"), device=device,
                   vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
                   shape=SHAPE, sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n, engine=json.loads(args.engine),
                   cache_mib_per_sequence={name: cache_bytes_per_sequence(cfgs[name], longest) / 2**20

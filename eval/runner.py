@@ -34,7 +34,8 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
 
     `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
     when some sample is missing (a finished evaluation then reruns without starting an engine).
-    `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source). `seed` None: unseeded sampling.
+    `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source).
+    `seed` None: unseeded sampling.
     `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
     `progress(dataset, problems done, problems)`, if given, is called when a dataset starts and after each call.
     """
@@ -189,7 +190,9 @@ def _write_reports(out: Path, results: dict):
 
 def markdown_report(results: dict) -> str:
     """Markdown tables of {dataset: metrics}: the headline metrics, then accuracy by response length."""
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}"
+
     lines = ["| dataset | problems | n | avg@n (95% CI) | pass@1 | pass@4 | pass@16 | pass@n | maj@n | "
              "mean length | max length | truncated |", "|" + " --- |" * 12]
     for name, m in results.items():

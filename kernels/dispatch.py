@@ -76,7 +76,7 @@ def pick_implementation(device: torch.device, num_tokens: int | None = None) -> 
     if device.type == "cuda" and _installed("triton", "fla"):
         return "triton_varlen" if num_tokens is None or num_tokens >= TRITON_VARLEN_MIN_TOKENS else "triton_mask"
     # On CPU the varlen layout wins at every size measured: its work grows with K + 1, the mask's with N + 1
-    # (bench/results/sse_cpu_*.json from `python -m kernels.bench_cpu`).
+    # (bench/results/sse_cpu_*.json from `python bench/sse_op_cpu.py`).
     return "chunk_torch_varlen"
 
 

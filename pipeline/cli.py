@@ -9,7 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 VERBOSE_HELP = "also print the libraries' output (Ray, vLLM, TRL, ...), which goes to RUN_DIR/logs/<stage>.log"
 
 

@@ -39,7 +39,7 @@ def execute_stage(stage: str, config: dict, run_path: str, model_path: str | Non
     start = time.time()
     try:
         result = {"status": "done", **stage_function(stage)(cfg, run_dir, model_path)}
-    except Exception as err:  # noqa: BLE001  (reported to the driver with the traceback in the stage log)
+    except Exception as err:  # reported to the driver with the traceback in the stage log
         (run_dir.logs_dir / f"{stage}-error.log").write_text(traceback.format_exc())
         result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
     result["seconds"] = round(time.time() - start, 1)

@@ -5,9 +5,9 @@ import re
 from collections import defaultdict
 
 import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+matplotlib.use("Agg")  # files only, never a window (pyplot picks its backend when the first figure is made)
 
 PLOTS = [  # (file, title, stage, metric-name pattern)
     ("sft_loss.png", "SFT loss", "sft", r"^loss$"),
@@ -99,6 +99,6 @@ def write_report(run_dir) -> None:
         lines += ["", f"## Evaluation{label}", "", table.read_text().strip()]
     for title, file in images:
         lines += ["", f"## {title}", "", f"![{title}]({file})"]
-    lines += ["", f"Metrics: `metrics.jsonl`; resolved config: `config.yaml`; manifest: `manifest.json`.", ""]
+    lines += ["", "Metrics: `metrics.jsonl`; resolved config: `config.yaml`; manifest: `manifest.json`.", ""]
     (run_dir.path / "report.md").write_text("\n".join(lines))
     (run_dir.path / "summary.json").write_text(json.dumps(manifest, indent=1, default=str))

@@ -82,7 +82,8 @@ class RunDir:
             holder = self._lock_file.read().strip() or "another process"
             self._lock_file.close()
             self._lock_file = None
-            raise RunLocked(f"{self.path} is in use by a live driver ({holder}); wait for it or stop it first")
+            message = f"{self.path} is in use by a live driver ({holder}); wait for it or stop it first"
+            raise RunLocked(message) from None
         self._lock_file.seek(0)
         self._lock_file.truncate()
         self._lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}")

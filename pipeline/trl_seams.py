@@ -3,15 +3,21 @@ private attributes, and behaviour neither library documents as API. tests/test_t
 seam that fails when the installed TRL or transformers changes what it relies on; after upgrading either,
 run it first.
 
-| seam | relies on | stage |
-| --- | --- | --- |
-| `AtomicCheckpointsMixin` | `Trainer._save_checkpoint(model, trial)` writes `checkpoint-<step>` under `self._get_output_dir(trial)`; `training_step` returns the loss before the optimizer step | sft, grpo |
-| `BalanceLossMixin` | `compute_loss`'s signature; TRL's losses call the backbone (`model.base_model`), not the model's forward; `model_accepts_loss_kwargs`, `compute_loss_func` and `current_gradient_accumulation_steps` decide whether the Trainer divides the loss | sft, grpo |
-| `TokenCountInStateMixin` | `SFTTrainer` counts the tokens it logs in `self._total_train_tokens`, which checkpoints do not keep | sft |
-| `OwnRolloutEngineMixin` | `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`; its sampling attributes (`temperature`, `top_p`, ...) | grpo |
-| `SSEVLLMGeneration` | `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through `self.llm`; the trainer calls `sync_weights()` when the step changed | grpo |
-| `log_train_metric` | `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log | grpo |
-| `mark_weights_loaded` | `GRPOTrainer._last_loaded_step` | grpo (periodic eval) |
+Seams (stage in brackets), and what each relies on:
+- `AtomicCheckpointsMixin` [sft, grpo]: `Trainer._save_checkpoint(model, trial)` writes `checkpoint-<step>` under
+  `self._get_output_dir(trial)`; `training_step` returns the loss before the optimizer step.
+- `BalanceLossMixin` [sft, grpo]: `compute_loss`'s signature; TRL's losses call the backbone (`model.base_model`),
+  not the model's forward; `model_accepts_loss_kwargs`, `compute_loss_func` and
+  `current_gradient_accumulation_steps` decide whether the Trainer divides the loss.
+- `TokenCountInStateMixin` [sft]: `SFTTrainer` counts the tokens it logs in `self._total_train_tokens`, which
+  checkpoints do not keep.
+- `OwnRolloutEngineMixin` [grpo]: `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when
+  `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`;
+  its sampling attributes (`temperature`, `top_p`, ...).
+- `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
+  `self.llm`; the trainer calls `sync_weights()` when the step changed.
+- `log_train_metric` [grpo]: `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log.
+- `mark_weights_loaded` [grpo, periodic eval]: `GRPOTrainer._last_loaded_step`.
 """
 import os
 import shutil

@@ -183,7 +183,7 @@ def serve(argv: list[str]):
             return
         try:
             outcome = ("ok", fn(*args))
-        except BaseException as e:  # noqa: BLE001 (RecursionError, MemoryError, ... are answers too)
+        except BaseException as e:  # RecursionError, MemoryError, ... are answers too
             outcome = ("error", f"{type(e).__name__}: {str(e)[:300]}")
         conn.send(outcome)
 

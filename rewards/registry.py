@@ -165,7 +165,7 @@ class SafeReward:
             # A reward that hangs would hang again completion by completion: the whole batch scores 0.
             record_failure("timeout", n, str(e))
             return [0.0] * n
-        except Exception as e:  # noqa: BLE001 (any bug in a reward must not stop training)
+        except Exception as e:  # any bug in a reward must not stop training
             logger.debug("reward %r raised %s on a batch; retrying completion by completion", self.__name__,
                          type(e).__name__)
             return [self._one(prompts, completions, columns, i) for i in range(n)]
@@ -181,7 +181,7 @@ class SafeReward:
         except RewardTimeout as e:
             record_failure("timeout", 1, str(e))
             return 0.0
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # any bug in a reward must not stop training
             record_failure("error", 1, f"raised {type(e).__name__}: {e}", exc_info=True)
             return 0.0
         return self._check(values, 1)[0]

@@ -7,7 +7,7 @@ Layers kept as softmax attention, the MLPs, norms, embeddings and head are copie
 q/k/v biases and tied embeddings included), so a conversion that keeps every layer reproduces the source's logits.
 The other attention layers become SSE layers (docs/model.md) built from the attention they replace.
 
-How an SSE layer is initialised, and why (measurements: docs/conversion.md, `python -m sse_model.bench_convert`):
+How an SSE layer is initialised, and why (measurements: docs/conversion.md, `python bench/convert.py`):
 - W_q, W_k, W_v, W_o come from the attention; grouped-query K/V heads are repeated so that SSE query head h uses
   the K/V head attention head h used. Qwen3's q/k RMSNorm weights are folded into the rows of W_q / W_k; the
   per-token normalisation itself is dropped: the SSE output is normalised per head anyway (o_norm), which makes the
@@ -149,7 +149,10 @@ def per_head(values, num_heads: int, dim: int) -> torch.Tensor:
 def init_sse_layer(layer: SSELayer, attn, config: SSEConfig, generator: torch.Generator):
     """Data-free initialisation of an SSE layer from the attention module it replaces (module docstring)."""
     H, Hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    expand = lambda t: repeat_kv_heads(t, H, Hkv)  # noqa: E731
+
+    def expand(t):
+        return repeat_kv_heads(t, H, Hkv)
+
     ones = attn.q_proj.weight.new_ones(H * d)
     q_scale = attn.q_norm.weight.repeat(H) if config.attention_qk_norm else ones
     k_scale = attn.k_norm.weight.repeat(H) if config.attention_qk_norm else ones
@@ -205,7 +208,9 @@ def fit_decay(layer: SSELayer, x: torch.Tensor, attn_out: torch.Tensor):
 @torch.no_grad()
 def fit_gate(layer: SSELayer, x: torch.Tensor, attn_out: torch.Tensor):
     """Constant gate silu(b) = RMS of the attention output / RMS of the normalised SSE output, per channel."""
-    rms = lambda t: t.float().pow(2).mean((0, 1)).sqrt().flatten()  # noqa: E731
+    def rms(t):
+        return t.float().pow(2).mean((0, 1)).sqrt().flatten()
+
     ratio = rms(attn_out) / rms(layer.o_norm(sse_core_output(layer, x))).clamp(min=1e-6)
     layer.g_proj.bias.copy_(silu_inverse(ratio.cpu()).to(layer.g_proj.bias))
 
@@ -320,8 +325,8 @@ def convert(src, dst, *, attention_every: int | None = 6, attention_layers=None,
 def parse_layers(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--attention-layers takes comma-separated integers, got {text!r}")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--attention-layers takes comma-separated integers, got {text!r}") from err
 
 
 def convert_main(argv=None) -> int:

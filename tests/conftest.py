@@ -1,5 +1,10 @@
-"""Shared test helpers: random SSE inputs, relative error that never lets NaN pass, and the shared data folder."""
+"""Shared test helpers: random SSE inputs, relative error that never lets NaN pass, the shared data folder, and
+the separate TRITON_INTERPRET=1 process of the tests marked `triton_interpret`."""
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ def shared_data_file(name: str) -> Path:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e||, computed in float64; NaN or inf anywhere gives inf so no comparison can pass on it."""
-    a, e = actual.double(), expected.double()
+    a, e = actual.detach().double(), expected.detach().double()
     if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
         return float("inf")
     return float((a - e).norm() / e.norm().clamp(min=1e-300))
@@ -32,7 +37,10 @@ def sse_inputs(B, T, H, c, dv, N, *, shared=True, dtype=torch.float64, seed=0, r
     """Fresh random inputs for `kernels.sse_attention`. `never_route` partitions get a large negative router bias
     so no token selects them (empty partitions)."""
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
     router = r(B, T, N)
     for p in never_route:
         router[..., p] -= 50.0
@@ -41,3 +49,52 @@ def sse_inputs(B, T, H, c, dv, N, *, shared=True, dtype=torch.float64, seed=0, r
     if shared:
         x.update(q_shared=r(B, T, H, c), k_shared_logits=r(B, T, H, c))
     return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in x.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tests marked `triton_interpret` (the cpu cases of tests/test_triton_kernels.py) run in one separate pytest process
+# with TRITON_INTERPRET=1. Triton decides whether a kernel is interpreted when the kernel is decorated, i.e. when
+# its module is imported, so the variable must be set before anything imports the kernels, and a run that also
+# holds cuda cases needs them compiled. The first such test to run starts that process for all the selected ones;
+# each then reports its own outcome from there, with what it printed.
+INTERPRETED_REPORT = "SSE_TEST_INTERPRETED_REPORT"  # set in that process: the file its outcomes go to
+_interpreted_outcomes: dict[str, dict] = {}
+
+
+def _run_interpreted(session) -> None:
+    nodeids = [item.nodeid for item in session.items if item.get_closest_marker("triton_interpret")]
+    root = session.config.rootpath
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "outcomes.jsonl"
+        env = {**os.environ, "TRITON_INTERPRET": "1", INTERPRETED_REPORT: str(report),
+               "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids], cwd=root,
+                              env=env, capture_output=True, text=True, timeout=1800)
+        for line in report.read_text().splitlines() if report.exists() else []:
+            outcome = json.loads(line)
+            _interpreted_outcomes[outcome["nodeid"]] = outcome  # a later phase's failure replaces a pass
+    for nodeid in nodeids:
+        _interpreted_outcomes.setdefault(nodeid, {"outcome": "failed", "text": f"no outcome (exit {done.returncode})"
+                                                  f"\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("triton_interpret") is None or os.environ.get(INTERPRETED_REPORT):
+        return None  # pytest runs the test here
+    if pyfuncitem.nodeid not in _interpreted_outcomes:
+        _run_interpreted(pyfuncitem.session)
+    outcome = _interpreted_outcomes[pyfuncitem.nodeid]
+    if outcome["outcome"] == "skipped":
+        pytest.skip(outcome["text"])
+    if outcome["outcome"] != "passed":
+        pytest.fail(f"in the TRITON_INTERPRET=1 process:\n{outcome['text']}", pytrace=False)
+    return True
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(INTERPRETED_REPORT)
+    if path and (report.when == "call" or report.outcome != "passed"):
+        text = report.longreprtext + "".join(f"\n--- {name} ---\n{content}" for name, content in report.sections)
+        with open(path, "a") as f:
+            f.write(json.dumps({"nodeid": report.nodeid, "outcome": report.outcome, "text": text}) + "\n")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.console import Console, output_to, step_line
+from pipeline.console import Console, step_line
 from pipeline.rundir import RunDir
 
 
@@ -46,7 +46,8 @@ def test_follow_prints_steps_and_attempts_and_draws_a_bar_on_a_terminal(tmp_path
         run.write_progress("sft", done=2, total=6, unit="step", attempt="2@a", resumed_from="checkpoint-2")
         run.log_metrics("sft", 3, {"loss": 2.5, "learning_rate": 1e-3})
     text = stream.getvalue()
-    lines = [line for line in text.replace("\r", "\n").splitlines() if line.startswith(("[sft] resuming", "[sft] step"))]
+    lines = [line for line in text.replace("\r", "\n").splitlines()
+             if line.startswith(("[sft] resuming", "[sft] step"))]
     assert lines == ["[sft] resuming from checkpoint-2", "[sft] step 3/6  loss 2.0000  lr 1.00e-03",
                      "[sft] resuming from checkpoint-2", "[sft] step 3/6  loss 2.5000  lr 1.00e-03"], text
     assert "2/6" in text  # the bar

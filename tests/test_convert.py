@@ -11,12 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from sse_model import SSEForCausalLM
-from sse_model.bench_convert import tiny_source
+from bench.convert import tiny_source
+from sse_model import SSEForCausalLM  # importing sse_model registers sse_hybrid with the Auto classes
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
-from sse_model.convert import (DECAY_BIASES, attention_activations, calibration_text, convert, convert_main,
-                               sse_core_output)
+from sse_model.convert import (
+    DECAY_BIASES,
+    attention_activations,
+    calibration_text,
+    convert,
+    convert_main,
+    sse_core_output,
+)
 
 SOURCES = {
     "qwen2": dict(),
@@ -97,7 +102,10 @@ def test_calibration_matches_each_heads_decay_and_output_scale(sources, tmp_path
     assert not layer.g_proj.weight.any()
     with torch.no_grad():
         gated = layer.o_norm(sse_core_output(layer, x)) * torch.nn.functional.silu(layer.g_proj.bias).view(4, 32)
-    rms = lambda t: t.pow(2).mean((0, 1)).sqrt()  # noqa: E731
+
+    def rms(t):
+        return t.pow(2).mean((0, 1)).sqrt()
+
     torch.testing.assert_close(rms(gated), rms(attn_out), rtol=1e-4, atol=1e-6)
 
 

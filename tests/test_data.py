@@ -39,7 +39,7 @@ def _check_equation_lines(solution: str):
         line = re.sub(r"^(ones|tens|hundreds|thousands): ", "", line)  # column steps are equations too
         parts = [p.strip() for p in line.split("=")]
         if all(re.fullmatch(r"[-\d +*/]+", p) for p in parts):
-            values = {eval(p) for p in parts}  # noqa: S307 (digits and operators only, checked above)
+            values = {eval(p) for p in parts}  # digits and operators only, checked above
             assert len(values) == 1, line
 
 
@@ -52,7 +52,7 @@ def test_teacher_solutions_are_right(level):
         x = int(answer)
         if level in (3, 4):  # substitute the answer into the equation of the problem
             lhs, rhs = re.fullmatch(r"Solve for x: (.*) = (.*)\.", row["problem"]).groups()
-            assert eval(re.sub(r"(\d)x", r"\1*x", lhs)) == eval(re.sub(r"(\d)x", r"\1*x", rhs))  # noqa: S307
+            assert eval(re.sub(r"(\d)x", r"\1*x", lhs)) == eval(re.sub(r"(\d)x", r"\1*x", rhs))  # digits, operators, x
         if level == 5:
             s, d = map(int, re.findall(r"\d+", row["problem"]))
             assert (x, s - x) == ((s + d) // 2, (s - d) // 2)

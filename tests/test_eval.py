@@ -49,7 +49,10 @@ def test_majority_score():
     # Wrong answers that are equivalent pool their votes when an equivalence is given.
     answers, correct = ["1", "1", "\\frac{1}{2}", "0.5"], [True, True, False, False]
     assert majority_score(answers, correct) == 1.0
-    half = lambda a, b: {a, b} <= {"\\frac{1}{2}", "0.5"}  # noqa: E731
+
+    def half(a, b):
+        return {a, b} <= {"\\frac{1}{2}", "0.5"}
+
     assert majority_score(answers, correct, half) == 0.5
     assert majority_score(["0.5", "\\frac{1}{2}", "0.5", "1"], [False, False, False, True], half) == 0.0
 

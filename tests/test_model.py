@@ -4,13 +4,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
 from torch._inductor.exc import InductorError
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from conftest import rel_err
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 

@@ -82,7 +82,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     for stage in ("grpo", "eval"):
         assert "Loading safetensors checkpoint shards" in logs[f"{stage}.log"]  # vLLM's engine start
 
-    again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", *sum([["--set", s] for s in SHORT], []))
+    again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}",
+                   *sum([["--set", s] for s in SHORT], []))
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4, again.stdout[-2000:]
 
 

@@ -395,4 +395,5 @@ def test_a_reward_with_a_timeout_computes_the_same_in_its_worker():
     inline = build_reward(f"{__name__}:length_reward", {"scale": 2.0})
     isolated = build_reward(f"{__name__}:length_reward", {"scale": 2.0}, timeout=30.0)
     completions = ["ab", "abcd", ""]
-    assert isolated(["p"] * 3, completions, log_metric=lambda *a: None) == inline(["p"] * 3, completions) == [4.0, 8.0, 0.0]
+    assert (isolated(["p"] * 3, completions, log_metric=lambda *a: None) == inline(["p"] * 3, completions)
+            == [4.0, 8.0, 0.0])

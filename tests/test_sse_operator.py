@@ -158,7 +158,8 @@ def test_gla_core_both_score_forms(dtype, tol, per_token_log_decay):
     both forms must match the recurrence, with no NaN from the strong decay."""
     from kernels.gla import chunk_gla_torch
     g_ = torch.Generator().manual_seed(21)
-    q, k = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64), torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    q = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    k = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
     v = torch.randn(2, 45, 2, 4, generator=g_, dtype=torch.float64)
     g = per_token_log_decay * torch.rand(2, 45, 2, 8, generator=g_, dtype=torch.float64)
     o_ref, s_ref = recurrent_gla_reference(q, k, v, g, output_final_state=True)

@@ -1,12 +1,20 @@
-"""The SSE Triton kernels on CPU, under TRITON_INTERPRET=1, against the float64 reference.
+"""The SSE Triton kernels against float64 references, one module for every device (the layout of
+flash-linear-attention's tests/ops/test_gla.py: each test is parametrised over the device).
 
-Triton decides at decoration time whether a kernel is interpreted, so each check runs in a fresh Python process
-with TRITON_INTERPRET=1 set before anything imports triton; whatever other tests imported cannot interfere.
-The checks are the `check_*` functions below, run as `python tests/test_triton_kernels.py NAME SEED`. Every run
-draws a fresh seed, printed on failure so it can be replayed.
-The chunk paths run with the torch GLA core (`gla=chunk_gla_torch`): flash-linear-attention cannot run on CPU,
-and what is ours (routing, gather/scatter with weights, softmax keys, row-sparse masking, backward) is checked.
+- "cpu": tiny shapes, the kernels interpreted (TRITON_INTERPRET=1) in a separate pytest process (marker
+  `triton_interpret`, see tests/conftest.py): Triton decides when a kernel is decorated whether it is interpreted,
+  so the variable is set before anything imports the kernels, and whatever other tests imported cannot interfere.
+  The chunk paths run with the torch GLA core (`gla=chunk_gla_torch`): flash-linear-attention cannot run on CPU,
+  and what is ours (routing, gather/scatter with weights, softmax keys, row-sparse masking, backward) is checked.
+- "cuda": the real shapes (H = 16, c = d_v = 128, varlen batches up to 1000 tokens, one 32k-token sequence),
+  float32 and bfloat16 activations, fla's `chunk_gla` as the GLA core. Marked `gpu`, so deselected by default:
+  `pytest -m gpu tests/test_triton_kernels.py` on a machine with CUDA and fla. Each autotuned kernel runs with one
+  config (fixture `one_triton_config`).
+Router logits stay float32 everywhere: ties among bf16 logits would make top-K ambiguous between kernel and
+reference. Errors are ||x - ref|| / ||ref|| (conftest.rel_err: NaN or inf never passes). Every test draws a fresh
+seed, printed with a failure; SSE_TEST_SEED=<seed> replays it.
 """
+import functools
 import importlib.util
 import os
 import random
@@ -15,197 +23,421 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from conftest import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# Per device: heads, key dim c, value dim d_v; the segment lengths of the varlen batch (T = 1, empty, short, long);
+# the length of the one sequence checked against the torch chunked path; the activation dtypes of those two checks.
+SHAPES = {
+    "cpu": dict(H=2, c=16, dv=8, lengths=[1, 0, 5, 9], long_T=40, dtypes=[F32]),
+    "cuda": dict(H=16, c=128, dv=128, lengths=[1, 0, 37, 64, 300, 1000], long_T=32768, dtypes=[F32, BF16]),
+}
+# Bounds on the chunk paths' relative errors: fla computes float32 dots in tf32, hence the looser cuda bounds.
+CHUNK_TOL = {"cpu": {F32: 1e-4, BF16: 2e-2}, "cuda": {F32: 1e-2, BF16: 3e-2}}
+IMPLS = ["triton_varlen", "triton_mask"]
 
-def _run(check: str, interpret: bool = True):
-    seed = random.randrange(2**31)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, __file__, check, str(seed)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, f"check_{check} failed with seed {seed}:\n{done.stdout}\n{done.stderr[-6000:]}"
+
+@pytest.fixture(scope="module")
+def one_triton_config():
+    """Correctness does not depend on fla's tuning, and autotuning every kernel for every dtype and head count costs
+    minutes of compilation: each autotuned kernel runs with one config (the first with 4 warps)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from triton.runtime.autotuner import Autotuner
+    prune = Autotuner.prune_configs
+
+    def first_config(self, *args, **kwargs):
+        configs = prune(self, *args, **kwargs)
+        return [next((c for c in configs if c.num_warps == 4), configs[0])]
+
+    Autotuner.prune_configs = first_config
+    yield
+    Autotuner.prune_configs = prune
+
+
+@pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.triton_interpret),
+                        pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda":
+        request.getfixturevalue("one_triton_config")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    if request.node.get_closest_marker("triton_interpret") and os.environ.get("TRITON_INTERPRET") != "1":
+        return  # the case runs in the interpreted process, which draws its own seed
+    seed = int(os.environ.get("SSE_TEST_SEED") or random.randrange(2**31))
+    print(f"seed {seed} (replay: SSE_TEST_SEED={seed})")
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def chunk_impl(name, device):
+    """`sse_triton_varlen` or `sse_triton_mask`; on cpu with the torch GLA core."""
+    from kernels.triton import chunk
+    impl = getattr(chunk, f"sse_{name}")
+    if device == "cpu":
+        from kernels.gla import chunk_gla_torch
+        return functools.partial(impl, gla=chunk_gla_torch)
+    return impl
 
 
 def test_import_needs_no_triton_or_fla():
-    _run("import_hygiene", interpret=False)
+    code = """
+import sys
+import torch
+import kernels
+from kernels.dispatch import pick_implementation
+assert "triton" not in sys.modules and "fla" not in sys.modules, "import kernels pulled in triton or fla"
+assert not pick_implementation(torch.device("cpu"), 1 << 20).startswith("triton")
+assert {"triton_varlen", "triton_mask"} <= set(kernels.IMPLEMENTATIONS)
+"""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_routing_counting_sort():
-    _run("routing")
-
-
-def test_chunk_varlen_forward_backward():
-    _run("chunk_varlen")
-
-
-def test_chunk_mask_forward_backward():
-    _run("chunk_mask")
-
-
-def test_decode():
-    _run("decode")
+@pytest.mark.parametrize("N, K, shared, lengths", [  # segment lengths: empty, length-1, blocks of 256 tokens crossed
+    (4, 1, True, [1, 0, 6, 300, 213]),
+    (8, 2, True, [3, 1, 2, 0]),     # short segments: most (segment, partition) groups are empty
+    (5, 5, True, [7, 9]),           # K = N
+    (1, 1, False, [1, 4]),          # N = 1 without shared partition: GLA
+    (3, 2, False, [512]),           # exactly two token blocks
+], ids=["n4k1", "n8k2-short-segments", "k=n", "n1-gla", "two-blocks"])
+def test_routing_counting_sort(device, N, K, shared, lengths):
+    from kernels.triton.routing import route_varlen
+    bounds = torch.tensor([0] + lengths, device=device).cumsum(0)
+    L, S, P, J = int(bounds[-1]), len(lengths), N + shared, K + shared
+    logits = torch.randn(L, N, device=device, dtype=random.choice([F32, BF16]))
+    idx, pos, cu = route_varlen(logits, bounds, K, shared)
+    assert torch.equal(logits.gather(1, idx.long()), logits.topk(K, 1).values), "top-K"
+    # Reference: a stable argsort of (segment, partition) over rows in (token, selection) order.
+    part = torch.cat([idx.long(), torch.full((L, int(shared)), N, device=device)], 1)
+    seg = torch.repeat_interleave(torch.arange(S, device=device), torch.tensor(lengths, device=device))
+    group = (seg[:, None] * P + part).reshape(-1)
+    want_pos = torch.empty(L * J, dtype=torch.long, device=device)
+    want_pos[torch.argsort(group, stable=True)] = torch.arange(L * J, device=device)
+    want_cu = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                         torch.bincount(group, minlength=S * P).cumsum(0)])
+    assert torch.equal(pos.long().reshape(-1), want_pos), "positions"
+    assert torch.equal(cu, want_cu), "cu_seqlens"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checks, run in the subprocess.
+# Training paths: forward and every gradient.
 
-def _rel(x, ref):
-    import torch
-    x, ref = x.double(), ref.double()
-    assert torch.isfinite(x).all(), "non-finite values"
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+def random_inputs(B, T, H, c, dv, N, shared, segments, dtype, device):
+    """Leaves in `dtype` (router logits and the initial state float32). Key logits are distinct in every dtype, so
+    the row-sparse top-r is the same set for kernel and reference."""
+    def leaf(*shape):
+        return torch.randn(*shape, device=device).to(dtype).requires_grad_()
 
+    def key_logits():
+        return (torch.rand(B, T, H, c, device=device).argsort(-1) * (4 / c) - 2).to(dtype).requires_grad_()
 
-def check_import_hygiene():
-    import torch
-
-    import kernels
-    from kernels.dispatch import pick_implementation
-    assert "triton" not in sys.modules and "fla" not in sys.modules, "import kernels pulled in triton or fla"
-    assert not pick_implementation(torch.device("cpu"), 1 << 20).startswith("triton")
-    assert {"triton_varlen", "triton_mask"} <= set(kernels.IMPLEMENTATIONS)
-
-
-def check_routing():
-    import torch
-
-    from kernels.triton.routing import route_varlen
-    cases = [  # N, K, shared, segment lengths (empty, length-1, blocks of 256 tokens crossed)
-        (4, 1, True, [1, 0, 6, 300, 213]),
-        (8, 2, True, [3, 1, 2, 0]),     # short segments: most (segment, partition) groups are empty
-        (5, 5, True, [7, 9]),           # K = N
-        (1, 1, False, [1, 4]),          # N = 1 without shared partition: GLA
-        (3, 2, False, [512]),           # exactly two token blocks
-    ]
-    for N, K, shared, lens in cases:
-        bounds = torch.tensor([0] + lens).cumsum(0)
-        L, S, P, J = int(bounds[-1]), len(lens), N + shared, K + shared
-        logits = torch.randn(L, N, dtype=random.choice([torch.float32, torch.bfloat16]))
-        idx, pos, cu = route_varlen(logits, bounds, K, shared)
-        assert torch.equal(logits.gather(1, idx.long()), logits.topk(K, 1).values), (N, K, "top-K")
-        # Reference: a stable argsort of (segment, partition) over rows in (token, selection) order.
-        part = torch.cat([idx.long(), torch.full((L, int(shared)), N)], 1)
-        seg = torch.repeat_interleave(torch.arange(S), torch.tensor(lens))
-        group = (seg[:, None] * P + part).reshape(-1)
-        want_pos = torch.empty(L * J, dtype=torch.long)
-        want_pos[torch.argsort(group, stable=True)] = torch.arange(L * J)
-        want_cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(group, minlength=S * P).cumsum(0)])
-        assert torch.equal(pos.long().reshape(-1), want_pos), (N, K, lens, "positions")
-        assert torch.equal(cu, want_cu), (N, K, lens, "cu_seqlens")
+    log_decay = torch.nn.functional.logsigmoid(torch.randn(B, T, H, c, device=device) * 2) / 16
+    return dict(q=leaf(B, T, H, c), k_logits=key_logits(), v=leaf(B, T, H, dv),
+                log_decay=log_decay.to(dtype).requires_grad_(),
+                router_logits=torch.randn(B, T, N, device=device).requires_grad_(),
+                q_shared=leaf(B, T, H, c) if shared else None, k_shared_logits=key_logits() if shared else None,
+                initial_state=torch.randn(segments, H, N + shared, c, dv, device=device).requires_grad_())
 
 
-def _inputs(B, T, H, c, dv, N, shared, segments, dtype):
-    import torch
-    x = lambda *s: torch.randn(*s).to(dtype).requires_grad_()  # noqa: E731
-
-    def key_logits():  # distinct in every dtype, so the row-sparse top-r is the same set for kernel and reference
-        return (torch.rand(B, T, H, c).argsort(-1) * (4 / c) - 2).to(dtype).requires_grad_()
-
-    q, k_logits, v = x(B, T, H, c), key_logits(), x(B, T, H, dv)
-    log_decay = (torch.nn.functional.logsigmoid(torch.randn(B, T, H, c) * 2) / 16).to(dtype).requires_grad_()
-    # Router logits stay float32: ties among bf16 logits would make top-K ambiguous between kernel and reference.
-    return dict(q=q, k_logits=k_logits, v=v, log_decay=log_decay, router_logits=torch.randn(B, T, N).requires_grad_(),
-                q_shared=x(B, T, H, c) if shared else None, k_shared_logits=key_logits() if shared else None,
-                initial_state=torch.randn(segments, H, N + shared, c, dv).requires_grad_())
-
-
-def _check_chunk(impl):
-    import torch
-
-    from kernels.gla import chunk_gla_torch
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype", [
+    (1, 13, 4, 1, True, None, [0, 1, 1, 7, 13], True, F32),    # empty and length-1 segments
+    (2, 9, 8, 2, True, 5, None, True, F32),                    # row-sparse, empty partitions
+    (1, 6, 3, 3, False, None, None, False, F32),               # K = N, no shared partition
+    (1, 5, 1, 1, False, None, [0, 2, 5], True, F32),           # N = 1: plain GLA
+    (1, 7, 4, 2, True, 3, [0, 4, 7], True, BF16),              # bf16 activations
+], ids=["empty-and-length-1-segments", "row-sparse-batch-2", "k=n-no-shared", "n1-gla", "bf16"])
+def test_chunk_small_cases(device, impl, B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype):
     from kernels.sse import sse_reference
-    cases = [  # B, T, N, K, shared, row_topk, cu_seqlens (B = 1), initial state, dtype
-        (1, 13, 4, 1, True, None, [0, 1, 1, 7, 13], True, torch.float32),   # empty and length-1 segments
-        (2, 9, 8, 2, True, 5, None, True, torch.float32),                   # row-sparse, empty partitions
-        (1, 6, 3, 3, False, None, None, False, torch.float32),              # K = N, no shared partition
-        (1, 5, 1, 1, False, None, [0, 2, 5], True, torch.float32),          # N = 1: plain GLA
-        (1, 7, 4, 2, True, 3, [0, 4, 7], True, torch.bfloat16),             # bf16 activations
-    ]
-    H, c, dv = 2, 16, 8
-    for B, T, N, K, shared, row_topk, cu, with_state, dtype in cases:
-        cu = None if cu is None else torch.tensor(cu)
-        ins = _inputs(B, T, H, c, dv, N, shared, B if cu is None else cu.numel() - 1, dtype)
-        if not with_state:
-            ins["initial_state"] = None
-        kw = dict(top_k=K, row_topk=row_topk, output_final_state=True, cu_seqlens=cu)
-        o, final = impl(**ins, **kw, gla=chunk_gla_torch)
-        ref_o, ref_final = sse_reference(**{n: None if x is None else x.double() for n, x in ins.items()}, **kw)
-        do, dfinal = torch.randn_like(o, dtype=torch.float64), torch.randn_like(final, dtype=torch.float64)
-        leaves = {n: x for n, x in ins.items() if x is not None}
-        grads = torch.autograd.grad((o.double() * do).sum() + (final.double() * dfinal).sum(), list(leaves.values()))
-        ref_grads = torch.autograd.grad((ref_o.double() * do).sum() + (ref_final * dfinal).sum(),
-                                        list(leaves.values()))
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        errors = {"o": _rel(o, ref_o), "final": _rel(final, ref_final)}
-        errors |= {f"d_{n}": _rel(g, r) for n, g, r in zip(leaves, grads, ref_grads)}
-        print(B, T, N, K, shared, row_topk, dtype, {n: f"{e:.1e}" for n, e in errors.items()})
-        assert max(errors.values()) < tol, errors
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
+    ins = random_inputs(B, T, H, c, dv, N, shared, B if cu is None else cu.numel() - 1, dtype, device)
+    if not with_state:
+        ins["initial_state"] = None
+    kw = dict(top_k=K, row_topk=row_topk, output_final_state=True, cu_seqlens=cu)
+    o, final = chunk_impl(impl, device)(**ins, **kw)
+    ref_o, ref_final = sse_reference(**{n: None if x is None else x.double() for n, x in ins.items()}, **kw)
+    do, dfinal = torch.randn_like(o, dtype=torch.float64), torch.randn_like(final, dtype=torch.float64)
+    leaves = {n: x for n, x in ins.items() if x is not None}
+    grads = torch.autograd.grad((o.double() * do).sum() + (final.double() * dfinal).sum(), list(leaves.values()))
+    ref_grads = torch.autograd.grad((ref_o.double() * do).sum() + (ref_final * dfinal).sum(), list(leaves.values()))
+    errors = {"o": rel_err(o, ref_o), "final": rel_err(final, ref_final)}
+    errors |= {f"d_{n}": rel_err(g, r) for n, g, r in zip(leaves, grads, ref_grads)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < CHUNK_TOL[device][dtype], errors
 
 
-def check_chunk_varlen():
-    from kernels.triton import sse_triton_varlen
-    _check_chunk(sse_triton_varlen)
+def exact_in_bf16_inputs(T, H, c, dv, N, segments, device):
+    """float32 inputs [1, T, ...] whose activations are exact in bf16, so one float64 reference serves every dtype.
+    Key logits are distinct within each head (a permutation of a grid), so the row-sparse top-r has no ties."""
+    def bf16_exact(*shape):
+        return torch.randn(*shape, device=device).bfloat16().float()
+
+    def key_logits():
+        return torch.rand(1, T, H, c, device=device).argsort(-1).float() * (4 / c) - 2
+
+    log_decay = (torch.nn.functional.logsigmoid(torch.randn(1, T, H, c, device=device) * 2) / 16).bfloat16()
+    return dict(q=bf16_exact(1, T, H, c), k_logits=key_logits(), v=bf16_exact(1, T, H, dv),
+                log_decay=log_decay.float(), router_logits=torch.randn(1, T, N, device=device),
+                q_shared=bf16_exact(1, T, H, c), k_shared_logits=key_logits(),
+                initial_state=torch.randn(segments, H, N + 1, c, dv, device=device))
 
 
-def check_chunk_mask():
-    from kernels.triton import sse_triton_mask
-    _check_chunk(sse_triton_mask)
+def as_leaves(inputs, dtype):
+    """The activations in `dtype` (router logits and states stay float32) as fresh leaves."""
+    keep = ("router_logits", "initial_state")
+    return {n: (x if n in keep else x.to(dtype)).detach().clone().requires_grad_() for n, x in inputs.items()}
 
 
-def check_decode():
-    import torch
+def forward_backward(fn, ins, cotangents, **kw):
+    """Outputs and gradients of sum(o * do) + sum(final * dfinal) w.r.t. every input."""
+    o, final = fn(**ins, **kw, output_final_state=True)
+    do, dfinal = cotangents
+    loss = (o.double() * do).sum() + (final.double() * dfinal).sum()
+    grads = torch.autograd.grad(loss, list(ins.values()))
+    return {"o": o.detach(), "final": final.detach()} | {f"d_{n}": g for n, g in zip(ins, grads)}
 
+
+def cotangents_for(T, H, N, c, dv, segments, device):
+    return (torch.randn(1, T, H, dv, device=device, dtype=torch.float64),
+            torch.randn(segments, H, N + 1, c, dv, device=device, dtype=torch.float64))
+
+
+def check_against(ref, against, device, inputs, cotangents, **kw):
+    """Both Triton paths in every dtype of the device against `ref`; all errors printed, then asserted."""
+    failures = []
+    for dtype in SHAPES[device]["dtypes"]:
+        for impl in IMPLS:
+            got = forward_backward(chunk_impl(impl, device), as_leaves(inputs, dtype), cotangents, **kw)
+            errors = {n: rel_err(got[n], ref[n]) for n in ref}
+            ok = max(errors.values()) < CHUNK_TOL[device][dtype]
+            line = f"{impl} {str(dtype)[6:]} vs {against}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items())
+            print(("ok   " if ok else "FAIL ") + line)
+            if not ok:
+                failures.append(line)
+            del got
+    assert not failures, "\n".join(failures)
+
+
+# (N, K, row-sparse with r = c / 4), with shared partition
+CONFIGS = {"n4k1": (4, 1, False), "n8k2": (8, 2, False), "n4k1-rowsparse": (4, 1, True)}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_chunk_varlen_batch_vs_reference(device, config):
+    """A varlen batch of T = 1, empty, short and (on cuda) ~1k-token segments with initial states, against the
+    float64 token loop."""
+    from kernels.sse import sse_reference
+    N, K, row_sparse = CONFIGS[config]
+    shape = SHAPES[device]
+    H, c, dv, lengths = shape["H"], shape["c"], shape["dv"], shape["lengths"]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T = int(cu[-1])
+    inputs = exact_in_bf16_inputs(T, H, c, dv, N, len(lengths), device)
+    kw = dict(top_k=K, cu_seqlens=cu, row_topk=c // 4 if row_sparse else None)
+    cot = cotangents_for(T, H, N, c, dv, len(lengths), device)
+    ref = forward_backward(sse_reference, as_leaves(inputs, torch.float64), cot, **kw)
+    check_against(ref, "reference f64", device, inputs, cot, **kw)
+
+
+def torch_f64_by_heads(ins, cotangents, head_group, **kw):
+    """chunk_torch_varlen in float64, a few heads at a time to bound memory (heads only meet in the router)."""
+    from kernels.sse import sse_chunk_varlen
+    H = ins["q"].shape[2]
+    leaves = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
+    outs = {"o": [], "final": []}
+    for h in range(0, H, head_group):
+        part = {n: x[:, :, h:h + head_group] if x.dim() == 4 and n != "router_logits" else x
+                for n, x in leaves.items()}
+        part["initial_state"] = leaves["initial_state"][:, h:h + head_group]
+        o, final = sse_chunk_varlen(**part, **kw, output_final_state=True)
+        do, dfinal = cotangents[0][:, :, h:h + head_group], cotangents[1][:, h:h + head_group]
+        ((o * do).sum() + (final * dfinal).sum()).backward()
+        outs["o"].append(o.detach())
+        outs["final"].append(final.detach())
+    return {"o": torch.cat(outs["o"], 2), "final": torch.cat(outs["final"], 1)} | {
+        f"d_{n}": x.grad for n, x in leaves.items()}
+
+
+@pytest.mark.parametrize("config", ["n4k1", "n8k2"])
+def test_chunk_long_sequence_vs_torch_path(device, config):
+    """One long sequence (32k tokens on cuda) against the torch chunked path `chunk_torch_varlen` in float64 (the
+    token loop is too slow there); that path is itself tested against the reference in tests/test_sse_operator.py."""
+    N, K, _ = CONFIGS[config]
+    shape = SHAPES[device]
+    H, c, dv, T = shape["H"], shape["c"], shape["dv"], shape["long_T"]
+    inputs = exact_in_bf16_inputs(T, H, c, dv, N, 1, device)
+    kw = dict(top_k=K, cu_seqlens=torch.tensor([0, T], device=device), row_topk=None)
+    cot = cotangents_for(T, H, N, c, dv, 1, device)
+    ref = torch_f64_by_heads(inputs, cot, head_group=4 if device == "cuda" else 1, **kw)
+    check_against(ref, "chunk_torch_varlen f64", device, inputs, cot, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: the fused in-place step.
+
+@pytest.mark.parametrize("dv, N, K, shared, row_topk, dtype, strided", [  # strided: cache laid out partition-major
+    (8, 4, 1, True, None, F32, False),
+    (40, 8, 2, True, 5, BF16, True),     # d_v over one column block and not a power of two
+    (8, 3, 3, False, None, F16, False),  # K = N, no shared partition
+    (8, 1, 1, False, 4, F32, True),      # N = 1
+], ids=["f32", "dv40-bf16-strided", "k=n-no-shared-f16", "n1-strided"])
+def test_decode_small_cases(device, dv, N, K, shared, row_topk, dtype, strided):
     from kernels import sse_decode
     from kernels.sse import sse_reference
-    H, c = 2, 16
-    cases = [  # dv, N, K, shared, row_topk, dtype, state cache laid out partition-major (strided view)
-        (8, 4, 1, True, None, torch.float32, False),
-        (40, 8, 2, True, 5, torch.bfloat16, True),   # d_v over one column block and not a power of two
-        (8, 3, 3, False, None, torch.float16, False),  # K = N, no shared partition
-        (8, 1, 1, False, 4, torch.float32, True),      # N = 1
-    ]
-    for dv, N, K, shared, row_topk, dtype, strided in cases:
-        P, num_slots = N + shared, 7
-        slots = torch.tensor([3, -1, 0, 6, -1])
-        ins = _inputs(len(slots), 1, H, c, dv, N, shared, num_slots, dtype)
-        state = ins.pop("initial_state").detach()
-        step = {n: None if x is None else x.detach()[:, 0] for n, x in ins.items()}
-        cache = state.clone()
-        if strided:
-            cache = torch.empty(num_slots, P, H, c, dv).transpose(1, 2).copy_(state)
-        o = sse_decode(cache, slots, **step, top_k=K, row_topk=row_topk, impl="triton")
-        live = slots >= 0
-        ref_o, ref_state = sse_reference(**{n: None if x is None else x.detach()[live] for n, x in ins.items()},
-                                         top_k=K, row_topk=row_topk, initial_state=state[slots[live]],
-                                         output_final_state=True)
-        errors = {"o": _rel(o[live], ref_o[:, 0]), "state": _rel(cache[slots[live]], ref_state)}
-        print(dv, N, K, shared, row_topk, dtype, strided, {n: f"{e:.1e}" for n, e in errors.items()})
-        assert o.dtype == dtype and bool((o[~live] == 0).all()), "skipped rows must give zeros"
-        assert max(errors.values()) < (1e-5 if dtype == torch.float32 else 1e-2), errors
-        # Only the selected partitions and the shared one of the live slots change; the rest is not touched.
-        selected = torch.zeros(len(slots), P, dtype=torch.bool)
-        selected[:, :N].scatter_(1, step["router_logits"].float().topk(K, 1).indices, True)
-        selected[:, N:] = True
-        touched = torch.zeros(num_slots, P, dtype=torch.bool)
-        touched[slots[live]] = selected[live]
-        assert torch.equal(cache.transpose(1, 2)[~touched], state.transpose(1, 2)[~touched]), "untouched state moved"
-    # Ties in the row-sparse top-r (common in bf16) keep exactly r rows, the lowest indices.
-    cache = torch.zeros(1, 1, 2, 8, 4)
-    ones, zeros = torch.ones(1, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 8, dtype=torch.bfloat16)
-    sse_decode(cache, torch.tensor([0]), ones, zeros, torch.ones(1, 1, 4), zeros, torch.zeros(1, 1), top_k=1,
-               q_shared=ones, k_shared_logits=zeros, row_topk=3, impl="triton")
+    H, c = SHAPES[device]["H"], SHAPES[device]["c"]
+    P, num_slots = N + shared, 7
+    slots = torch.tensor([3, -1, 0, 6, -1], device=device)
+    ins = random_inputs(len(slots), 1, H, c, dv, N, shared, num_slots, dtype, device)
+    state = ins.pop("initial_state").detach()
+    step = {n: None if x is None else x.detach()[:, 0] for n, x in ins.items()}
+    cache = state.clone()
+    if strided:
+        cache = torch.empty(num_slots, P, H, c, dv, device=device).transpose(1, 2).copy_(state)
+    o = sse_decode(cache, slots, **step, top_k=K, row_topk=row_topk, impl="triton")
+    live = slots >= 0
+    ref_o, ref_state = sse_reference(**{n: None if x is None else x.detach()[live] for n, x in ins.items()},
+                                     top_k=K, row_topk=row_topk, initial_state=state[slots[live]],
+                                     output_final_state=True)
+    errors = {"o": rel_err(o[live], ref_o[:, 0]), "state": rel_err(cache[slots[live]], ref_state)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert o.dtype == dtype and bool((o[~live] == 0).all()), "skipped rows must give zeros"
+    assert max(errors.values()) < (1e-5 if dtype == F32 else 1e-2), errors
+    # Only the selected partitions and the shared one of the live slots change; the rest is not touched.
+    selected = torch.zeros(len(slots), P, dtype=torch.bool, device=device)
+    selected[:, :N].scatter_(1, step["router_logits"].float().topk(K, 1).indices, True)
+    selected[:, N:] = True
+    touched = torch.zeros(num_slots, P, dtype=torch.bool, device=device)
+    touched[slots[live]] = selected[live]
+    assert torch.equal(cache.transpose(1, 2)[~touched], state.transpose(1, 2)[~touched]), "untouched state moved"
+
+
+@pytest.mark.parametrize("row_topk", [None, 16], ids=["dense", "r16"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("N, K", [(4, 1), (8, 2)], ids=["n4k1", "n8k2"])
+def test_decode_vs_reference(device, N, K, dtype, row_topk):
+    """A batch of 8 with two skipped rows (slot -1) on a cache of 32 slots, at the device's shapes."""
+    from kernels.sse import sse_reference
+    from kernels.triton import sse_decode_triton
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    slots = torch.tensor([5, -1, 0, 17, 9, -1, 31, 2], device=device)
+    inputs = exact_in_bf16_inputs(len(slots), H, c, dv, N, 1, device)
+    step = {n: x[0].to(F32 if n == "router_logits" else dtype) for n, x in inputs.items() if n != "initial_state"}
+    state = torch.randn(32, H, N + 1, c, dv, device=device)
+    cache = state.clone()
+    o = sse_decode_triton(cache, slots, **step, top_k=K, row_topk=row_topk)
+    live = slots >= 0
+    ref_o, ref_state = sse_reference(**{n: v[live][:, None] for n, v in step.items()}, top_k=K, row_topk=row_topk,
+                                     initial_state=state[slots[live]], output_final_state=True)
+    untouched = torch.ones(32, dtype=torch.bool, device=device)
+    untouched[slots[live]] = False
+    errors = {"o": rel_err(o[live], ref_o[:, 0]), "state": rel_err(cache[slots[live]], ref_state)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < {F32: 1e-5, BF16: 3e-2, F16: 1e-2}[dtype], errors
+    assert bool((o[~live] == 0).all()), "skipped rows must give zeros"
+    assert torch.equal(cache[untouched], state[untouched]), "slots outside the batch changed"
+
+
+def test_decode_row_topk_ties_keep_exactly_r_rows(device):
+    """Ties in the row-sparse top-r (common in bf16) keep exactly r rows, the lowest indices."""
+    from kernels import sse_decode
+    cache = torch.zeros(1, 1, 2, 8, 4, device=device)
+    ones = torch.ones(1, 1, 8, dtype=BF16, device=device)
+    zeros = torch.zeros(1, 1, 8, dtype=BF16, device=device)
+    sse_decode(cache, torch.tensor([0], device=device), ones, zeros, torch.ones(1, 1, 4, device=device), zeros,
+               torch.zeros(1, 1, device=device), top_k=1, q_shared=ones, k_shared_logits=zeros, row_topk=3,
+               impl="triton")
     written = cache[0, 0].abs().sum(-1) > 0
     assert written[:, :3].all() and not written[:, 3:].any(), written
 
 
-if __name__ == "__main__":
-    name, seed = sys.argv[1], int(sys.argv[2])
-    import torch
-    torch.manual_seed(seed)
-    random.seed(seed)
-    globals()["check_" + name]()
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_triton_config")
+def test_decode_cuda_graph_replay():
+    """One decode step captured in a CUDA graph, replayed on new inputs, against the torch step (bf16)."""
+    from kernels.sse import sse_decode_torch
+    from kernels.triton import sse_decode_triton
+    H, c, dv = (SHAPES["cuda"][n] for n in ("H", "c", "dv"))
+    N, K, B = 4, 1, 64
+
+    def make():
+        def bf16(*shape):
+            return torch.randn(*shape, device="cuda", dtype=BF16)
+        return dict(q=bf16(B, H, c), k_logits=bf16(B, H, c), v=bf16(B, H, dv),
+                    log_decay=-torch.rand(B, H, c, device="cuda", dtype=BF16) / 16,
+                    router_logits=torch.randn(B, N, device="cuda"), q_shared=bf16(B, H, c),
+                    k_shared_logits=bf16(B, H, c))
+
+    static, slots = make(), torch.randperm(2 * B, device="cuda")[:B]
+    slots[::7] = -1
+    cache = torch.randn(2 * B, H, N + 1, c, dv, device="cuda")
+    step = functools.partial(sse_decode_triton, top_k=K)
+    step(cache.clone(), slots, **static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(cache, slots, **static)
+    fresh = make()
+    for n in static:
+        static[n].copy_(fresh[n])
+    expect_cache = cache.clone()
+    expect = sse_decode_torch(expect_cache, slots, **fresh, top_k=K)
+    graph.replay()
+    torch.cuda.synchronize()
+    errors = {"o": rel_err(out, expect), "state": rel_err(cache, expect_cache)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < 1e-2, errors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model: "auto" takes a Triton path on GPU.
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_triton_config")
+def test_model_step_auto_takes_triton_and_matches_torch(monkeypatch):
+    """A small SSE-H training step (loss + backward, float32 model): "auto" dispatches to a Triton path on GPU (mask
+    or varlen by the token count) and gives the torch path's loss and parameter gradients."""
+    from kernels import dispatch
+    from sse_model import SSEConfig, SSEForCausalLM
+    config = SSEConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                       layer_types=["linear_attention", "linear_attention", "full_attention"],
+                       num_attention_heads=2, head_dim=128, sse_num_partitions=4, sse_top_k=1, sse_lora_rank=16)
+    torch.manual_seed(0)
+    model = SSEForCausalLM(config).to("cuda")
+    ids = torch.randint(0, config.vocab_size, (2, 200), device="cuda")
+    used = []
+
+    def counted(name, impl):
+        def call(*args, **kwargs):
+            used.append(name)
+            return impl(*args, **kwargs)
+        return call
+
+    for name, impl in dict(dispatch.IMPLEMENTATIONS).items():
+        monkeypatch.setitem(dispatch.IMPLEMENTATIONS, name, counted(name, impl))
+
+    def train_step(sse_impl):
+        model.config.sse_impl = sse_impl
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, grads = train_step("auto")
+    taken = sorted(set(used))
+    loss_ref, grads_ref = train_step("chunk_torch_varlen")
+    print(f"auto dispatched to {taken}, loss {loss.item():.6f} (auto) vs {loss_ref.item():.6f} (torch)")
+    assert taken and all(name.startswith("triton_") for name in taken), taken
+    errors = {"loss": rel_err(loss, loss_ref), "grads": max(rel_err(a, b) for a, b in zip(grads, grads_ref))}
+    assert max(errors.values()) < 1e-2, errors

@@ -101,7 +101,7 @@ def test_train_metrics_seam():
 
 
 def test_the_seams_module_lists_every_seam():
-    """The table in the module docstring names every class and function the module defines."""
+    """The list in the module docstring names every class and function the module defines."""
     doc = trl_seams.__doc__
     for name, value in vars(trl_seams).items():
         if getattr(value, "__module__", None) == trl_seams.__name__ and not name.startswith("_") \

@@ -208,7 +208,7 @@ class Worker:
 
 # ---------------------------------------------------------------------------------------------- fixtures
 def make_checkpoint(root: Path, name: str) -> Path:
-    from sse_model.vllm_testing import save_checkpoint
+    from tiny_checkpoints import save_checkpoint
     return save_checkpoint(root / name, SSEConfig(**{**BASE, **CONFIGS[name]}), seed=len(name))
 
 

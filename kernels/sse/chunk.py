@@ -46,8 +46,13 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
 
     # One row per (token, selected partition), then one per token for the shared partition.
     w = topk_weight.reshape(L * top_k, 1, 1).to(q.dtype)
-    flat = lambda x: x.reshape(L, H, -1)  # noqa: E731
-    repeat = lambda x: flat(x).repeat_interleave(top_k, 0)  # noqa: E731
+
+    def flat(x):
+        return x.reshape(L, H, -1)
+
+    def repeat(x):
+        return flat(x).repeat_interleave(top_k, 0)
+
     rows_q, rows_k = [repeat(q) * w], [repeat(keys) * w]
     rows_v, rows_g = [repeat(v)], [repeat(decay)]
     rows_token = [torch.arange(L, device=device).repeat_interleave(top_k)]
@@ -63,7 +68,9 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
     new_bounds = torch.zeros(num_segments * P + 1, dtype=torch.long, device=device)
     new_bounds[1:] = torch.bincount(group, minlength=num_segments * P).cumsum(0)
 
-    gather = lambda rows: torch.cat(rows)[order][None]  # noqa: E731
+    def gather(rows):
+        return torch.cat(rows)[order][None]
+
     h0 = None
     if initial_state is not None:
         h0 = initial_state.transpose(1, 2).reshape(num_segments * P, H, c, dv)
@@ -92,7 +99,10 @@ def sse_chunk_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=
     if shared is not None:
         q_s, keys_s, decay_s = shared
         parts_q.append(q_s[:, :, None]), parts_k.append(keys_s[:, :, None]), parts_g.append(decay_s[:, :, None])
-    fold = lambda parts: torch.cat(parts, 2).reshape(B, T, P * H, -1)  # noqa: E731  partition-major heads
+
+    def fold(parts):  # partition-major heads
+        return torch.cat(parts, 2).reshape(B, T, P * H, -1)
+
     v_all = v.to(q.dtype)[:, :, None].expand(B, T, P, H, dv).reshape(B, T, P * H, dv)
     h0 = None
     if initial_state is not None:

@@ -20,17 +20,23 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     live = slot_ids >= 0
     if not bool(live.all()):
         rows = live.nonzero().squeeze(1)
-        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+
+        def pick(x):
+            return None if x is None else x[rows]
+
         o[rows] = sse_decode_torch(state, slot_ids[rows], *map(pick, (q, k_logits, v, log_decay, router_logits)),
                                    top_k=top_k, q_shared=pick(q_shared), k_shared_logits=pick(k_shared_logits),
                                    row_topk=row_topk, scale=scale).to(o.dtype)
         return o.to(v.dtype)
 
-    f = lambda x: x.to(state.dtype)  # noqa: E731
+    def f(x):
+        return x.to(state.dtype)
+
     _, index, topk_weight = route(router_logits, top_k)            # [B, K]
     keys, decay = softmax_keys(f(k_logits), f(log_decay), row_topk)
     parts, w = index, f(topk_weight)                               # gathered partitions and their weights
-    q_rows, k_rows, g_rows = [f(q)[:, None] * w[..., None, None]], [keys[:, None] * w[..., None, None]], [decay[:, None].expand(-1, top_k, -1, -1)]
+    q_rows, k_rows = [f(q)[:, None] * w[..., None, None]], [keys[:, None] * w[..., None, None]]
+    g_rows = [decay[:, None].expand(-1, top_k, -1, -1)]
     if q_shared is not None:
         keys_s, decay_s = softmax_keys(f(k_shared_logits), f(log_decay), row_topk)
         parts = torch.cat([index, torch.full_like(index[:, :1], N)], 1)

@@ -13,7 +13,10 @@ def sse_reference(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     P = N + has_shared
     scale = c**-0.5 if scale is None else scale
     out_dtype = v.dtype
-    f64 = lambda x: None if x is None else x.double()  # noqa: E731
+
+    def f64(x):
+        return None if x is None else x.double()
+
     q, k_logits, v, log_decay, router_logits = map(f64, (q, k_logits, v, log_decay, router_logits))
     q_shared, k_shared_logits = f64(q_shared), f64(k_shared_logits)
 

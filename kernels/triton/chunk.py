@@ -44,7 +44,9 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
         pos = torch.arange(L * P, dtype=torch.int32, device=device).view(L, P)
         gla_cu, gla_shape, state_shape = cu_seqlens, (B, T, P * H), (num_segments, P * H, c, dv)
 
-    flat = lambda x: None if x is None else x.reshape(L, H, -1)  # noqa: E731
+    def flat(x):
+        return None if x is None else x.reshape(L, H, -1)
+
     rows = expand(*map(flat, (q, k_logits, v, log_decay)), e, flat(q_shared), flat(k_shared_logits), part, pos,
                   pos.numel(), row_topk)
     q_rows, k_rows, v_rows, g_rows = (x.view(*gla_shape, -1) for x in rows)

@@ -158,7 +158,10 @@ class _Expand(torch.autograd.Function):
         L, H, C = q.shape
         V, N, J = v.shape[-1], router_logits.shape[-1], part.shape[1]
         shared = q_shared is not None
-        new = lambda d, dtype: torch.empty(num_rows, H, d, dtype=dtype, device=q.device)  # noqa: E731
+
+        def new(d, dtype):
+            return torch.empty(num_rows, H, d, dtype=dtype, device=q.device)
+
         rows = new(C, q.dtype), new(C, q.dtype), new(V, v.dtype), new(C, torch.float32)
         if L:
             _expand_fwd_kernel[(L,)](q, k_logits, v, log_decay, router_logits, q_shared if shared else q,
@@ -217,7 +220,9 @@ def expand(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, 
     part, pos [L, J] int32: partition (N = shared, -1 = inactive) and row of each of a token's J rows; every
     row must be covered exactly once. Differentiable in all float inputs.
     """
-    flat = lambda x: None if x is None else x.contiguous()  # noqa: E731
+    def flat(x):
+        return None if x is None else x.contiguous()
+
     return _Expand.apply(*map(flat, (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits)),
                          part.contiguous(), pos.contiguous(), num_rows, row_topk)
 

@@ -104,7 +104,7 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
     # large dataset is never held in memory as Python objects.
     try:
         ds = datasets.load_dataset(src.source, src.subset, split=src.split)
-    except Exception as e:  # noqa: BLE001 (datasets raises many kinds; the cause is kept)
+    except Exception as e:  # datasets raises many kinds; the cause is kept
         raise DataError(f"{label}: cannot load dataset: {type(e).__name__}: {e}") from e
     if src.limit is not None:
         ds = ds.select(range(min(src.limit, len(ds))))

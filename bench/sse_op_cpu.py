@@ -1,4 +1,6 @@
-"""CPU timings of the SSE paths (issue 2): `python -m kernels.bench_cpu`.
+"""CPU timings of the SSE paths (issue 2):
+
+    python bench/sse_op_cpu.py
 
 Forward+backward, float32, the CPU training path's regime (tiny models). Prints a table and writes
 bench/results/sse_cpu_<date>.json with the machine and date.
@@ -6,10 +8,13 @@ bench/results/sse_cpu_<date>.json with the machine and date.
 import datetime
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import sse_attention
 
@@ -25,7 +30,9 @@ REFERENCE_MAX_TOKENS = 1024  # the token loop is for correctness, not speed: tim
 
 def inputs(B, T, H, c, N):
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
     return dict(q=r(B, T, H, c), k_logits=r(B, T, H, c), v=r(B, T, H, c),
                 log_decay=(torch.nn.functional.logsigmoid(torch.randn(B, T, H, c, generator=g)) / 16).requires_grad_(),
                 router_logits=r(B, T, N), q_shared=r(B, T, H, c), k_shared_logits=r(B, T, H, c))
@@ -42,7 +49,6 @@ def time_fwd_bwd(impl, x, K, repeats=3):
 
 
 def main():
-    torch.set_num_threads(torch.get_num_threads())
     rows = []
     for B, T, H, c, N, K in SIZES:
         x = inputs(B, T, H, c, N)

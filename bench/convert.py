@@ -1,4 +1,6 @@
-"""How close a converted SSE-H model starts to its source Transformer: `python -m sse_model.bench_convert`.
+"""How close a converted SSE-H model starts to its source Transformer:
+
+    python bench/convert.py [--families qwen3,qwen2,llama] [--train-seconds 120] [--out bench/results]
 
 No network here, so the sources are tiny models built on the spot:
 - random-weight Qwen3, Qwen2 and Llama models (checks the plumbing; their perplexity is meaningless),
@@ -20,6 +22,7 @@ import os
 import platform
 import random
 import string
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +30,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from sse_model import convert as conv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sse_model import convert as conv  # importing sse_model registers sse_hybrid with the Auto classes
 from sse_model.configuration_sse import SSE_LAYER
 
 FAMILIES = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
@@ -174,7 +184,9 @@ def ablations(source, config, calibration_ids) -> dict:
     def output_zero(layer, x, attn_out):  # silu(0) = 0: the SSE layers add nothing, i.e. attention removed
         layer.g_proj.bias.zero_()
 
-    offset = lambda layer, x, attn_out: conv.fit_query_offset(layer, x)  # noqa: E731
+    def offset(layer, x, attn_out):
+        conv.fit_query_offset(layer, x)
+
     return {
         "data-free (calibration_tokens=0)": data_free,
         "no query offset": variant(conv.fit_decay, conv.fit_gate),
@@ -213,7 +225,7 @@ def markdown(report: dict) -> str:
              f"{report['machine']['load_before']} before / {report['machine']['load_after']} after. torch "
              f"{report['machine']['torch']}, transformers {report['machine']['transformers']}.", "",
              "Sources are tiny local models (no network): random weights, or trained on the CPU on generated text "
-             "(see `sse_model/bench_convert.py`). One attention layer in every six kept; the rest are SSE layers "
+             "(see `bench/convert.py`). One attention layer in every six kept; the rest are SSE layers "
              f"(N=4, K=1, shared partition, LoRA 64), calibrated on {report['calibration_tokens']} tokens the source "
              "sampled itself.", ""]
     for r in report["results"]:

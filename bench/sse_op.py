@@ -1,4 +1,7 @@
-"""GPU benchmarks of the SSE Triton paths, side by side in one run: `python -m kernels.bench` (needs CUDA + fla).
+"""GPU benchmarks of the SSE Triton paths, side by side in one run (needs CUDA and fla):
+
+    python bench/sse_op.py [--lengths 1024,4096,16384,65536,131072] [--out bench/results]
+
 
 Medians of `triton.testing.do_bench` (CUDA events), bf16 activations, H = 16, c = d_v = 128, batch 1:
 1. training op forward+backward vs T: SSE (N = 4, K = 1 + shared) varlen and mask, plain GLA (fla `chunk_gla`,
@@ -13,13 +16,17 @@ Writes bench/results/sse_gpu_<date>.json and .md (or under --out) with the devic
 """
 import argparse
 import datetime
+import functools
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.triton import chunk, sse_decode_triton
 from kernels.triton.expand import expand
@@ -38,12 +45,19 @@ def free():
     torch.cuda.empty_cache()
 
 
+def bf16(*shape):
+    return torch.randn(*shape, device="cuda", dtype=BF16)
+
+
+def bf16_leaf(*shape):
+    return bf16(*shape).requires_grad_()
+
+
 def sse_inputs(T, N):
-    x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
-    return dict(q=x(1, T, H, C), k_logits=x(1, T, H, C), v=x(1, T, H, DV),
+    return dict(q=bf16_leaf(1, T, H, C), k_logits=bf16_leaf(1, T, H, C), v=bf16_leaf(1, T, H, DV),
                 log_decay=(F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).to(BF16).requires_grad_(),
-                router_logits=torch.randn(1, T, N, device="cuda").requires_grad_(), q_shared=x(1, T, H, C),
-                k_shared_logits=x(1, T, H, C))
+                router_logits=torch.randn(1, T, N, device="cuda").requires_grad_(), q_shared=bf16_leaf(1, T, H, C),
+                k_shared_logits=bf16_leaf(1, T, H, C))
 
 
 def time_sse(fn, T, N, K=1):
@@ -54,15 +68,14 @@ def time_sse(fn, T, N, K=1):
         o, _ = fn(**ins, top_k=K)
         o.backward(do)
     ms = median_ms(step, grad_to_none=list(ins.values()))
-    del ins
+    ins.clear()  # frees the inputs before the cache is emptied
     free()
     return ms
 
 
 def time_gla(T):
     from fla.ops.gla import chunk_gla
-    x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
-    q, k, v = x(1, T, H, C), x(1, T, H, C), x(1, T, H, DV)
+    q, k, v = bf16_leaf(1, T, H, C), bf16_leaf(1, T, H, C), bf16_leaf(1, T, H, DV)
     g = (F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).requires_grad_()
     do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
 
@@ -76,8 +89,7 @@ def time_gla(T):
 
 def time_sdpa(T):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    x = lambda: torch.randn(1, H, T, C, device="cuda", dtype=BF16).requires_grad_()  # noqa: E731
-    q, k, v = x(), x(), x()
+    q, k, v = (bf16_leaf(1, H, T, C) for _ in range(3))
     do = torch.randn(1, H, T, C, device="cuda", dtype=BF16)
 
     def step():
@@ -134,7 +146,8 @@ def varlen_breakdown(T, N=4, K=1):
     out["sse_varlen_fwd_bwd_ms"] = time_sse(chunk.sse_triton_varlen, T, N, K)
     out["ours_ms"] = out["sse_varlen_fwd_bwd_ms"] - out["gla_core_rows_fwd_bwd_ms"]
     print(out, flush=True)
-    del ins, rows
+    del ins
+    rows.clear()  # frees the rows before the cache is emptied
     free()
     return out
 
@@ -142,7 +155,7 @@ def varlen_breakdown(T, N=4, K=1):
 def copy_bandwidth():
     x = torch.empty(2 * 1024**3 // 4, device="cuda", dtype=torch.float32).normal_()
     y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x))
+    ms = median_ms(functools.partial(y.copy_, x))
     del x, y
     free()
     return 2 * 2 * 1024**3 / (ms * 1e-3)  # bytes read + written per second
@@ -151,13 +164,13 @@ def copy_bandwidth():
 def decode(batches, copy_bw, N=4, K=1):
     rows = []
     for B in batches:
-        x = lambda *s: torch.randn(*s, device="cuda", dtype=BF16)  # noqa: E731
-        step = dict(q=x(B, H, C), k_logits=x(B, H, C), v=x(B, H, DV),
+        step = dict(q=bf16(B, H, C), k_logits=bf16(B, H, C), v=bf16(B, H, DV),
                     log_decay=(F.logsigmoid(torch.randn(B, H, C, device="cuda")) / 16).to(BF16),
-                    router_logits=torch.randn(B, N, device="cuda"), q_shared=x(B, H, C), k_shared_logits=x(B, H, C))
+                    router_logits=torch.randn(B, N, device="cuda"), q_shared=bf16(B, H, C),
+                    k_shared_logits=bf16(B, H, C))
         cache = torch.randn(B, H, N + 1, C, DV, device="cuda")
         slots = torch.randperm(B, device="cuda")
-        ms = median_ms(lambda: sse_decode_triton(cache, slots, **step, top_k=K))
+        ms = median_ms(functools.partial(sse_decode_triton, cache, slots, **step, top_k=K))
         moved = 2 * B * (K + 1) * H * C * DV * 4  # touched states, read + written
         row = {"batch": B, "sse_decode_ms": ms, "state_GB_per_s": moved / (ms * 1e-3) / 1e9,
                "fraction_of_copy_bw": moved / (ms * 1e-3) / copy_bw}
@@ -166,10 +179,10 @@ def decode(batches, copy_bw, N=4, K=1):
         for L in (4096, 32768, 131072):
             if B * L * H * C * 2 * 2 > 40 * 1024**3:  # KV cache over 40 GB: skip
                 continue
-            q = x(B, H, 1, C)
-            k, v = x(B, H, L, C), x(B, H, L, C)
-            row[f"attn_decode_kv{L // 1024}k_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v))
-            del k, v
+            attention = functools.partial(F.scaled_dot_product_attention, bf16(B, H, 1, C), bf16(B, H, L, C),
+                                          bf16(B, H, L, C))
+            row[f"attn_decode_kv{L // 1024}k_ms"] = median_ms(attention)
+            del attention
             free()
         print(row, flush=True)
         rows.append(row)
@@ -198,7 +211,8 @@ def markdown(result):
         lines += ["", f"## Varlen breakdown, T = {b['T']}", "",
                   f"routing {b['route_ms']:.2f} ms, gather forward {b['gather_fwd_ms']:.2f} ms, GLA core on the "
                   f"gathered rows fwd+bwd {b['gla_core_rows_fwd_bwd_ms']:.2f} ms, whole op "
-                  f"{b['sse_varlen_fwd_bwd_ms']:.2f} ms: ours (routing, gather/scatter, backward) {b['ours_ms']:.2f} ms."]
+                  f"{b['sse_varlen_fwd_bwd_ms']:.2f} ms: ours (routing, gather/scatter, backward) "
+                  f"{b['ours_ms']:.2f} ms."]
     if "decode" in result:
         kv = sorted({k for r in result["decode"] for k in r if k.startswith("attn_decode")},
                     key=lambda k: int(k.split("kv")[1].split("k")[0]))
@@ -207,8 +221,8 @@ def markdown(result):
                       f"attn KV {k.split('kv')[1].split('_')[0]} ms" for k in kv) + " |",
                   "| --- | --- | --- | --- |" + " --- |" * len(kv)]
         lines += [f"| {r['batch']} | {r['sse_decode_ms']:.3f} | {r['state_GB_per_s']:.0f} | "
-                  f"{r['fraction_of_copy_bw']:.0%} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in kv) + " |"
-                  for r in result["decode"]]
+                  f"{r['fraction_of_copy_bw']:.0%} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in kv)
+                  + " |" for r in result["decode"]]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 _TEXT = ("The quick brown fox jumps over the lazy dog. 12 + 30 = 42. Sparse state expansion keeps one state per "
@@ -26,11 +26,8 @@ def byte_bpe_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 def save_checkpoint(path, config, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
     """A random model of `config` (its vocab_size set to the tokenizer's) saved with its tokenizer in `path`.
-    `config` may be any transformers causal-LM config (SSEConfig, Qwen2Config for comparison)."""
-    from transformers import AutoModelForCausalLM
-
-    import sse_model  # noqa: F401  registers sse_hybrid with the Auto classes
-
+    `config` may be any transformers causal-LM config (SSEConfig, Qwen2Config for comparison); an SSEConfig comes
+    from `sse_model`, whose import registers it with the Auto classes."""
     tokenizer = tokenizer or byte_bpe_tokenizer()
     config.vocab_size = len(tokenizer)
     config.eos_token_id = config.bos_token_id = config.pad_token_id = tokenizer.eos_token_id
