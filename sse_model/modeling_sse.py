@@ -49,7 +49,10 @@ class SSERotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.rope_type = config.rope_parameters.get("rope_type", "default")
-        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        if self.rope_type == "default":
+            init_fn = self.compute_default_rope_parameters
+        else:
+            init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
@@ -269,7 +272,10 @@ def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tens
     N = router_logits.shape[-1]
     probs = torch.softmax(router_logits.float(), -1).reshape(-1, N)
     chosen = torch.zeros_like(probs).scatter_(-1, router_logits.reshape(-1, N).topk(top_k, -1).indices, 1.0)
-    weight = torch.ones(probs.shape[0], 1, device=probs.device) if token_mask is None else token_mask.reshape(-1, 1).float()
+    if token_mask is None:
+        weight = torch.ones(probs.shape[0], 1, device=probs.device)
+    else:
+        weight = token_mask.reshape(-1, 1).float()
     count = weight.sum().clamp(min=1)
     usage = (chosen * weight).sum(0) / count
     mean_prob = (probs * weight).sum(0) / count

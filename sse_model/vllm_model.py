@@ -13,17 +13,21 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+
 # Importing the module registers torch.ops.vllm.linear_attention, the opaque custom op (a CUDA-graph splitting
 # op) through which every vLLM linear-attention layer runs its stateful forward; the SSE layer uses it too.
 from vllm.model_executor.layers.mamba.linear import minimax_linear_attn  # noqa: F401
@@ -36,8 +40,11 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen2 import Qwen2MLP as SSEMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends.linear_attn import (LinearAttentionBackend, LinearAttentionMetadata,
-                                                    LinearAttentionMetadataBuilder)
+from vllm.v1.attention.backends.linear_attn import (
+    LinearAttentionBackend,
+    LinearAttentionMetadata,
+    LinearAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.selector import get_attn_backend
 

@@ -64,7 +64,7 @@ def checkpoint(tmp_path_factory):
     model = SSEForCausalLM(config.__class__(**{**config.to_dict(), "sse_impl": "chunk_torch_varlen"})).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     g = torch.Generator(device="cuda").manual_seed(0)
-    for step in range(300):
+    for _ in range(300):
         batch = data[torch.randint(0, data.shape[0], (16,), device="cuda", generator=g)]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
