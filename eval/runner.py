@@ -221,7 +221,9 @@ def markdown_report(results: dict) -> str:
 
 def recall_report(results: dict) -> list[str]:
     """Markdown lines of the recall tasks' breakdowns (eval/metrics.py recall_metrics); none for math sets."""
-    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}"
+
     lines = []
     for field, label in (("context_length", "context length"), ("num_pairs", "pairs")):
         rows = [(name, m) for name, m in results.items() if f"accuracy_by_{field}" in m]

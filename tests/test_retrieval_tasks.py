@@ -14,9 +14,23 @@ from eval.runner import evaluate, markdown_report, problem_seed
 from pipeline import config
 from pipeline.config import ConfigError, DataSource, GeneratorSettings
 from pipeline.data import retrieval
-from pipeline.data.loaders import benchmark_source, load_benchmark, load_rl_dataset, load_sft_dataset
-from pipeline.data.retrieval import (ADJECTIVES, ANIMALS, COLORS, NOUNS, NIAH_WORD_LINE_WORDS, TaskOptionError,
-                                     check_options, generate_task, split_of)
+from pipeline.data.loaders import (
+    benchmark_source,
+    load_benchmark,
+    load_rl_dataset,
+    load_sft_dataset,
+)
+from pipeline.data.retrieval import (
+    ADJECTIVES,
+    ANIMALS,
+    COLORS,
+    NIAH_WORD_LINE_WORDS,
+    NOUNS,
+    TaskOptionError,
+    check_options,
+    generate_task,
+    split_of,
+)
 from pipeline.data.tokenizer import train_tokenizer
 from rewards import build_reward
 from rewards.retrieval import grade_answer
@@ -299,8 +313,8 @@ def test_accuracy_by_group_by_hand():
 
 
 def test_compute_metrics_breaks_recall_down():
-    fields = [dict(context_length=64, num_pairs=4), dict(context_length=64, num_pairs=4),
-              dict(context_length=256, num_pairs=16)]
+    fields = [{"context_length": 64, "num_pairs": 4}, {"context_length": 64, "num_pairs": 4},
+              {"context_length": 256, "num_pairs": 16}]
     problems = [
         [_sample(True, [True, True], **fields[0]), _sample(False, [True, False], **fields[0])],
         [_sample(True, [True, True], **fields[1]), _sample(True, [True, True], **fields[1])],

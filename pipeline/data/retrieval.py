@@ -27,7 +27,8 @@ import difflib
 import hashlib
 import random
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TASKS = ("mqar", "niah_word", "s_niah")
 # Columns that RL and eval rows of these tasks keep beside prompt/answer/id (pipeline.data.loaders).
@@ -36,28 +37,39 @@ TEST_PERCENT = 50
 
 # ---------------------------------------------------------------------------------------------------- words
 # Keys are ADJECTIVE NOUN, values COLOR ANIMAL: four disjoint lists, so a value never reads as a key.
-ADJECTIVES = (
-    "ancient brave calm clever crisp curious daring distant eager early faint fancy fierce fragile gentle giant "
-    "glad gloomy graceful grand hasty hidden hollow humble icy jolly keen kind lively lonely loud lucky mellow "
-    "merry mighty modest narrow noble odd patient plain polite proud quick quiet rapid rare restless rough royal "
-    "rustic sacred shallow sharp shy silent simple sleepy slow smooth soft solemn steady steep stormy strange "
-    "sturdy subtle sudden swift tall tender tiny vast vivid wandering warm weary wild wise").split()
-NOUNS = (
-    "anchor arrow bakery balcony basket beacon bell blanket bridge bucket cabin candle canyon castle cellar chapel "
-    "chimney cliff clock compass cottage crown desert doorway engine fountain garden gate glacier harbor helmet "
-    "hill island jacket kettle ladder lagoon lantern library lighthouse market meadow mirror mountain needle "
-    "orchard palace pasture pebble pillar pocket pond quarry river saddle school shelter shovel statue stove "
-    "street summit temple tower tunnel valley village wagon wall whistle window workshop barn harp forest bench "
-    "curtain oven piano ribbon").split()
-COLORS = (
-    "amber azure beige black blue bronze brown cobalt copper coral crimson cyan golden gray green indigo ivory "
-    "jade khaki lemon lilac magenta maroon mauve navy ochre olive orange peach pink plum purple red rose ruby "
-    "rust scarlet silver teal violet").split()
-ANIMALS = (
-    "badger bear beaver bison camel cat cobra crane crow deer dolphin donkey eagle falcon ferret finch fox frog "
-    "gecko goat goose hare hawk heron horse hyena ibis jackal koala lemur leopard lion lizard llama lynx magpie "
-    "mole moose mouse otter owl panda parrot pelican penguin pigeon puma rabbit raven salmon seal shark sheep "
-    "sparrow squirrel swan tiger toad turtle walrus whale wolf zebra").split()
+ADJECTIVES = [
+    "ancient", "brave", "calm", "clever", "crisp", "curious", "daring", "distant", "eager", "early", "faint",
+    "fancy", "fierce", "fragile", "gentle", "giant", "glad", "gloomy", "graceful", "grand", "hasty", "hidden",
+    "hollow", "humble", "icy", "jolly", "keen", "kind", "lively", "lonely", "loud", "lucky", "mellow", "merry",
+    "mighty", "modest", "narrow", "noble", "odd", "patient", "plain", "polite", "proud", "quick", "quiet", "rapid",
+    "rare", "restless", "rough", "royal", "rustic", "sacred", "shallow", "sharp", "shy", "silent", "simple",
+    "sleepy", "slow", "smooth", "soft", "solemn", "steady", "steep", "stormy", "strange", "sturdy", "subtle",
+    "sudden", "swift", "tall", "tender", "tiny", "vast", "vivid", "wandering", "warm", "weary", "wild", "wise",
+]
+NOUNS = [
+    "anchor", "arrow", "bakery", "balcony", "basket", "beacon", "bell", "blanket", "bridge", "bucket", "cabin",
+    "candle", "canyon", "castle", "cellar", "chapel", "chimney", "cliff", "clock", "compass", "cottage", "crown",
+    "desert", "doorway", "engine", "fountain", "garden", "gate", "glacier", "harbor", "helmet", "hill", "island",
+    "jacket", "kettle", "ladder", "lagoon", "lantern", "library", "lighthouse", "market", "meadow", "mirror",
+    "mountain", "needle", "orchard", "palace", "pasture", "pebble", "pillar", "pocket", "pond", "quarry", "river",
+    "saddle", "school", "shelter", "shovel", "statue", "stove", "street", "summit", "temple", "tower", "tunnel",
+    "valley", "village", "wagon", "wall", "whistle", "window", "workshop", "barn", "harp", "forest", "bench",
+    "curtain", "oven", "piano", "ribbon",
+]
+COLORS = [
+    "amber", "azure", "beige", "black", "blue", "bronze", "brown", "cobalt", "copper", "coral", "crimson", "cyan",
+    "golden", "gray", "green", "indigo", "ivory", "jade", "khaki", "lemon", "lilac", "magenta", "maroon", "mauve",
+    "navy", "ochre", "olive", "orange", "peach", "pink", "plum", "purple", "red", "rose", "ruby", "rust", "scarlet",
+    "silver", "teal", "violet",
+]
+ANIMALS = [
+    "badger", "bear", "beaver", "bison", "camel", "cat", "cobra", "crane", "crow", "deer", "dolphin", "donkey",
+    "eagle", "falcon", "ferret", "finch", "fox", "frog", "gecko", "goat", "goose", "hare", "hawk", "heron", "horse",
+    "hyena", "ibis", "jackal", "koala", "lemur", "leopard", "lion", "lizard", "llama", "lynx", "magpie", "mole",
+    "moose", "mouse", "otter", "owl", "panda", "parrot", "pelican", "penguin", "pigeon", "puma", "rabbit", "raven",
+    "salmon", "seal", "shark", "sheep", "sparrow", "squirrel", "swan", "tiger", "toad", "turtle", "walrus", "whale",
+    "wolf", "zebra",
+]
 NUM_KEYS = len(ADJECTIVES) * len(NOUNS)
 
 NIAH_WORD_LINE = "The {key} is the {value}."  # 7 words
