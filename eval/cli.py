@@ -12,7 +12,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "them, and write per-sample JSONL, metrics.json and results.md into --out.")
     p.add_argument("--model", required=True, help="checkpoint directory (or Hugging Face model id)")
     p.add_argument("--datasets", default="aime24,aime25,math500",
-                   help="comma-separated benchmark names (aime24, aime25, math500, amc23) or .jsonl/.parquet paths")
+                   help="comma-separated benchmark names (aime24, aime25, math500, amc23; recall sets such as "
+                   "mqar_test, niah_word_4k, s_niah_uuid_8k: docs/retrieval.md) or .jsonl/.parquet paths")
     p.add_argument("--out", required=True, help="output directory; rerunning into it resumes")
     p.add_argument("--n", type=int, default=32, help="samples per problem")
     p.add_argument("--temperature", type=float, default=1.0)

@@ -9,6 +9,10 @@
   group and others scores 1 / (number of tied groups), the expected score of a random tie break.
 - no_answer_rate: the fraction of samples without a boxed answer.
 - Lengths in tokens; truncation rate: the fraction of samples cut off by the token limit.
+- Recall tasks (docs/retrieval.md), when the samples carry their problem's `context_length` / `num_pairs`:
+  avg@n by context length and by number of pairs, each with its bootstrap interval over that group's problems;
+  with MQAR's per-query grades (`query_correct`), the mean accuracy per query (Zoology's metric) overall and by
+  group, and accuracy by query position (1 = the first query asked).
 """
 from collections.abc import Callable
 
@@ -120,4 +124,56 @@ def compute_metrics(problems: list[list[dict]], max_tokens: int,
         buckets.append({"tokens": f"[{lo}, {hi}{']' if last else ')'}", "count": count,
                         "accuracy": float(correct[inside].mean()) if count else None})
     out["accuracy_by_length"] = buckets
+    out.update(recall_metrics(problems))
+    return out
+
+
+GROUP_FIELDS = ("context_length", "num_pairs")
+
+
+def accuracy_by_group(values: list[float], groups: list, field: str) -> list[dict]:
+    """Mean of per-problem `values` for each value of a per-problem field, in increasing order of it, with a
+    bootstrap interval resampling that group's problems: [{field: value, num_problems, accuracy, ci95}]."""
+    if len(values) != len(groups):
+        raise ValueError(f"one {field} per problem needed, got {len(groups)} for {len(values)} problems")
+    out = []
+    for group in sorted(set(groups)):
+        x = [v for v, g in zip(values, groups) if g == group]
+        low, high = bootstrap_ci(x)
+        out.append({field: group, "num_problems": len(x), "accuracy": float(np.mean(x)), "ci95": [low, high]})
+    return out
+
+
+def query_position_accuracy(problems: list[list[dict]]) -> list[dict]:
+    """Accuracy of the j-th query over every sample whose problem asks at least j queries:
+    [{position (from 1), count (samples), accuracy}]."""
+    right: list[int] = []
+    count: list[int] = []
+    for samples in problems:
+        for s in samples:
+            for j, ok in enumerate(s["query_correct"]):
+                if j == len(count):
+                    right.append(0)
+                    count.append(0)
+                right[j] += bool(ok)
+                count[j] += 1
+    return [{"position": j + 1, "count": c, "accuracy": r / c} for j, (r, c) in enumerate(zip(right, count))]
+
+
+def recall_metrics(problems: list[list[dict]]) -> dict:
+    """The recall tasks' breakdowns (module docstring); {} for samples without the fields (math sets)."""
+    out: dict = {}
+    first = [samples[0] for samples in problems]
+    fields = [f for f in GROUP_FIELDS if all(f in s for s in first)]
+    per_problem = [float(np.mean([s["correct"] for s in samples])) for samples in problems]
+    for field in fields:
+        out[f"accuracy_by_{field}"] = accuracy_by_group(per_problem, [s[field] for s in first], field)
+    if all("query_correct" in s and s["query_correct"] for samples in problems for s in samples):
+        per_query = [float(np.mean([np.mean(s["query_correct"]) for s in samples])) for samples in problems]
+        low, high = bootstrap_ci(per_query)
+        out["query_accuracy"] = float(np.mean(per_query))
+        out["query_accuracy_ci95"] = [low, high]
+        for field in fields:
+            out[f"query_accuracy_by_{field}"] = accuracy_by_group(per_query, [s[field] for s in first], field)
+        out["accuracy_by_query_position"] = query_position_accuracy(problems)
     return out

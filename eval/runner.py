@@ -20,7 +20,9 @@ from pathlib import Path
 from eval.metrics import compute_metrics
 from pipeline.data import prompts
 from pipeline.data.loaders import load_benchmark
+from pipeline.data.retrieval import TASK_COLUMNS
 from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
+from rewards.retrieval import grade_answer
 from rewards.text import last_boxed
 
 logger = logging.getLogger(__name__)
@@ -72,8 +74,9 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
             if progress:
                 progress(name, done, len(rows))
         problems = [finished[i] for i in ids]
-        metrics = compute_metrics(problems, max_tokens, equivalent=lambda a, b: grade([a], [b], grading_timeout)[0]
-                                  == "correct")
+        exact = "task" in rows.column_names  # a recall task: exact answers, no math equivalence (docs/retrieval.md)
+        metrics = compute_metrics(problems, max_tokens, equivalent=None if exact else lambda a, b: grade(
+            [a], [b], grading_timeout)[0] == "correct")
         metrics["grading_failures"] = sum(s["grade"] in ("timeout", "error") for p in problems for s in p)
         results[name] = metrics
     _write_reports(out, results)
@@ -108,13 +111,22 @@ def _generate(llm, dataset: str, batch: list[dict], *, n, temperature, top_p, ma
             samples.append({"id": row["id"], "sample": j, "completion": completion.text, "answer": row["answer"],
                             "extracted": last_boxed(completion.text), "num_tokens": len(completion.token_ids),
                             "finish_reason": completion.finish_reason,
-                            "truncated": completion.finish_reason == "length"})
+                            "truncated": completion.finish_reason == "length",
+                            **{k: row[k] for k in TASK_COLUMNS if k in row}})
     return samples
 
 
 def _grade(samples: list[dict], timeout: float):
-    grades = grade([s["extracted"] for s in samples], [s["answer"] for s in samples], timeout)
-    for sample, g in zip(samples, grades):
+    """Math answers by rewards.grade; a recall task's exactly, MQAR's also query by query (rewards.retrieval)."""
+    recall = [s for s in samples if "task" in s]
+    for sample in recall:
+        correct, queries = grade_answer(sample["task"], sample["extracted"], sample["answer"])
+        sample["grade"], sample["correct"] = "correct" if correct else "wrong", correct
+        if queries is not None:
+            sample["query_correct"] = queries
+    math = [s for s in samples if "task" not in s]
+    grades = grade([s["extracted"] for s in math], [s["answer"] for s in math], timeout) if math else []
+    for sample, g in zip(math, grades):
         sample["grade"] = g
         sample["correct"] = g == "correct"
 
@@ -207,7 +219,45 @@ def markdown_report(results: dict) -> str:
         cells = [f"{pct(b['accuracy'])} ({b['count']})" for b in m["accuracy_by_length"]]
         lines += [f"| {name} | " + " | ".join(b["tokens"] for b in m["accuracy_by_length"]) + " |",
                   "|" + " --- |" * (len(cells) + 1), "| accuracy | " + " | ".join(cells) + " |", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + recall_report(results))
+
+
+def recall_report(results: dict) -> list[str]:
+    """Markdown lines of the recall tasks' breakdowns (eval/metrics.py recall_metrics); none for math sets."""
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}"
+
+    lines = []
+    for field, label in (("context_length", "context length"), ("num_pairs", "pairs")):
+        rows = [(name, m) for name, m in results.items() if f"accuracy_by_{field}" in m]
+        if not rows:
+            continue
+        lines += [f"Recall accuracy (%) by {label} (95% CI; problems in brackets):", "",
+                  f"| dataset | {label} | avg@n | per-query accuracy |", "| --- | --- | --- | --- |"]
+        for name, m in rows:
+            per_query = {g[field]: g for g in m.get(f"query_accuracy_by_{field}", [])}
+            for g in m[f"accuracy_by_{field}"]:
+                q = per_query.get(g[field])
+                q_text = f"{pct(q['accuracy'])} ({pct(q['ci95'][0])}-{pct(q['ci95'][1])})" if q else "-"
+                lines.append(f"| {name} | {g[field]} | {pct(g['accuracy'])} ({pct(g['ci95'][0])}-"
+                             f"{pct(g['ci95'][1])}) [{g['num_problems']}] | {q_text} |")
+        lines.append("")
+    for name, m in results.items():
+        if "accuracy_by_query_position" not in m:
+            continue
+        # Positions in doubling buckets (1, 2-3, 4-7, ...): a 256-query test set would be a 256-column table.
+        buckets, lo = [], 1
+        positions = m["accuracy_by_query_position"]
+        while lo <= len(positions):
+            part = positions[lo - 1:2 * lo - 1]
+            count = sum(p["count"] for p in part)
+            right = sum(p["accuracy"] * p["count"] for p in part)
+            buckets.append((f"{lo}" if len(part) == 1 else f"{lo}-{lo + len(part) - 1}", right / count, count))
+            lo *= 2
+        lines += [f"{name}: accuracy (%) by query position (samples in brackets):", "",
+                  "| position | " + " | ".join(b[0] for b in buckets) + " |", "|" + " --- |" * (len(buckets) + 1),
+                  "| accuracy | " + " | ".join(f"{pct(b[1])} ({b[2]})" for b in buckets) + " |", ""]
+    return lines
 
 
 def build_llm(model: str, *, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,

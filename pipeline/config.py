@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import yaml
 
+from pipeline.data import retrieval
+
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
 STAGES = typing.get_args(Stage)  # in the order they run
 
@@ -75,6 +77,8 @@ class GeneratorSettings:
     levels: list[int] = field(default_factory=lambda: [1, 2])  # difficulty levels, mixed uniformly
     seed: int = 0
     in_head_probability: float = 0.0  # chance the teacher writes a multi-digit sum in one line, no columns
+    task: str = "arithmetic"  # or a recall task of pipeline.data.retrieval: mqar, niah_word, s_niah
+    options: dict[str, Any] = field(default_factory=dict)  # the recall task's options (docs/retrieval.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +260,10 @@ BENCHMARKS = {
     "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
     "aime25": DataSource(source="math-ai/aime25", name="aime25", split="test"),
     "amc23": DataSource(source="math-ai/amc23", name="amc23", split="test", prompt_field="question"),
+    # Recall tasks (docs/retrieval.md): mqar_test, niah_word_4k, niah_word_noinst_4k, s_niah_uuid_8k, ...
+    **{name: DataSource(source="generator", name=name, split="test",
+                        generator=GeneratorSettings(task=task, num_examples=rows, options=options))
+       for name, (task, rows, options) in retrieval.BENCHMARKS.items()},
 }
 
 
@@ -554,11 +562,32 @@ def _check(cfg: Config) -> None:
             require(model == "last" or model in stages[:stages.index("eval")], f"eval.models[{i}]",
                     f"{model!r} is not a stage that runs before eval in this config ({', '.join(stages)})",
                     ["stages"])
+    for key, src in [("data.sft", cfg.data.sft), ("data.grpo", cfg.data.grpo),
+                     *((f"data.eval[{i}]", e) for i, e in enumerate(cfg.data.eval) if isinstance(e, DataSource))]:
+        _check_task(src.generator, f"{key}.generator", src.source)
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
             require(entry in BENCHMARKS, f"data.eval[{i}]",
                     f"unknown eval set {entry!r}{_did_you_mean(entry, list(BENCHMARKS), show_all=True)}; "
                     "name a benchmark or give a mapping with `source`")
+
+
+def _check_task(g: GeneratorSettings, key: str, src_kind: str) -> None:
+    """The generator's task and its options (pipeline.data.retrieval checks a recall task's)."""
+    if g.task == "arithmetic":
+        if g.options:
+            raise _Invalid(f"{key}.options", "the arithmetic task takes levels and in_head_probability, not options")
+        return
+    default = GeneratorSettings()
+    if src_kind != "generator":
+        raise _Invalid(f"{key}.task", f"a task needs source: generator, got source {src_kind!r}")
+    for name in ("levels", "in_head_probability"):
+        if getattr(g, name) != getattr(default, name):
+            raise _Invalid(f"{key}.{name}", f"applies to the arithmetic task only, not {g.task}", [f"{key}.task"])
+    try:
+        retrieval.check_options(g.task, g.options)
+    except retrieval.TaskOptionError as e:
+        raise _Invalid(f"{key}.{e.key}", e.message) from None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

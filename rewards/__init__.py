@@ -1,8 +1,8 @@
 """Reward functions for GRPO and grading for evaluation (see docs/rewards-and-eval.md).
 
-Importing the package registers the built-ins: math_accuracy, format, overlong_penalty.
+Importing the package registers the built-ins: math_accuracy, format, overlong_penalty, retrieval_accuracy.
 """
-from rewards import accuracy, format, length  # noqa: F401 (registers the built-in rewards)
+from rewards import accuracy, format, length, retrieval  # noqa: F401 (registers the built-in rewards)
 from rewards.accuracy import grade, math_accuracy
 from rewards.registry import (
     SafeReward,

@@ -21,12 +21,16 @@ import pyarrow.parquet as pq
 from pipeline.config import BENCHMARKS, DataSource, describe
 from pipeline.data.generator import generate
 from pipeline.data.prompts import build_prompt, prompt_token_ids
+from pipeline.data.retrieval import TASK_COLUMNS, generate_task
 
 ROLES = ("system", "user", "assistant")
 _MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
 SFT_FEATURES = datasets.Features({"prompt": _MESSAGES, "completion": _MESSAGES})
 RL_FEATURES = datasets.Features(
     {"prompt": _MESSAGES, "answer": datasets.Value("string"), "id": datasets.Value("string")})
+# RL and eval rows of a recall task also keep what grading and the eval report's breakdowns read.
+TASK_FEATURES = {"task": datasets.Value("string"), "context_length": datasets.Value("int64"),
+                 "num_pairs": datasets.Value("int64")}
 
 
 class DataError(ValueError):
@@ -70,7 +74,7 @@ def source_name(src: DataSource) -> str:
     if src.name:
         return src.name
     if src.source == "generator":
-        return f"generator-{src.split}"
+        return f"generator-{src.split}" if src.generator.task == "arithmetic" else f"{src.generator.task}-{src.split}"
     path = Path(src.source)
     return path.stem if _is_file(src.source) else path.name if path.is_dir() else src.source
 
@@ -95,7 +99,18 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
     make = functools.partial(make_row, src=src, label=label)
     if src.source == "generator":
         g = src.generator
-        rows = generate(g.num_examples, g.levels, g.seed, src.split, g.in_head_probability)
+        if g.task == "arithmetic":
+            rows = generate(g.num_examples, g.levels, g.seed, src.split, g.in_head_probability)
+        else:
+            try:
+                # Rows come one after another from one seeded stream: the first `limit` are the same either way.
+                count = g.num_examples if src.limit is None else min(g.num_examples, src.limit)
+                rows = generate_task(g.task, count, g.seed, src.split, g.options)
+            except ValueError as e:
+                raise DataError(f"{label}: {e}") from None
+            if "answer" in features:
+                features = datasets.Features({**features, **TASK_FEATURES})
+                make = functools.partial(_with_task_columns, make=make)
         return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows[:src.limit])], features)
     if _is_file(src.source):
         rows = _read_file(Path(src.source), src)
@@ -110,6 +125,10 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
         ds = ds.select(range(min(src.limit, len(ds))))
     return ds.map(_with_row_number, fn_kwargs={"make": make}, with_indices=True, remove_columns=ds.column_names,
                   features=features, desc=f"Checking {label}")
+
+
+def _with_task_columns(row: dict, number: int, make) -> dict:
+    return {**make(row, number), **{k: row[k] for k in TASK_COLUMNS}}
 
 
 def _with_row_number(row: dict, index: int, make) -> dict:
@@ -189,7 +208,8 @@ def _is_file(source: str) -> bool:
 
 def _label(src: DataSource) -> str:
     if src.source == "generator":
-        return f"generator[{src.split}]"
+        task = src.generator.task
+        return f"generator[{src.split}]" if task == "arithmetic" else f"generator {task}[{src.split}]"
     if _is_file(src.source):
         return src.source
     return src.source + (f"[{src.subset}]" if src.subset else "") + f" (split {src.split})"
