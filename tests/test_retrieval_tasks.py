@@ -252,7 +252,8 @@ def test_config_errors_name_file_and_key(tmp_path, text, message):
 
 
 def test_config_with_tasks_loads_and_round_trips(tmp_path):
-    path = _write(tmp_path, "data:\n  grpo:\n    generator: {task: mqar, num_examples: 100, options: {vocab_size: 512}}\n"
+    path = _write(tmp_path, "data:\n  grpo:\n"
+                            "    generator: {task: mqar, num_examples: 100, options: {vocab_size: 512}}\n"
                             "  eval: [mqar_test, niah_word_4k, s_niah_uuid_8k]\n")
     cfg = config.load_config(path, ["data.grpo.generator.options.num_queries=2"])
     assert cfg.data.grpo.generator.task == "mqar"
