@@ -302,6 +302,21 @@ def greedy(**extra):
 
 
 # ---------------------------------------------------------------------------------------------- tests
+def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
+    """vLLM 0.25's sampler imports flashinfer unless VLLM_USE_FLASHINFER_SAMPLER=0; the plugin sets that default
+    where flashinfer is not installed, and never overrides a user's setting."""
+    import importlib.util
+    code = ("import os; from sse_model.vllm_plugin import register; register(); "
+            "print(os.environ.get('VLLM_USE_FLASHINFER_SAMPLER'))")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    missing = importlib.util.find_spec("flashinfer") is None
+    assert out.stdout.strip().splitlines()[-1] == ("0" if missing else "None"), out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stderr[-2000:]
+
+
 def test_plugin_entry_point_and_idempotent_registration(worker):
     from importlib.metadata import entry_points
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
