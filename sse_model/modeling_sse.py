@@ -15,6 +15,9 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+# The eager kernel is Qwen3's (same layout and module attributes), so eager means exactly what it means there.
+from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
 import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
@@ -75,28 +78,6 @@ def apply_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, :, None] + rotated * sin[:, :, None]
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, kv_heads, S, d] -> [B, kv_heads * n_rep, S, d], each KV head repeated for its group of query heads."""
-    if n_rep == 1:
-        return x
-    B, kv_heads, S, d = x.shape
-    return x[:, :, None].expand(B, kv_heads, n_rep, S, d).reshape(B, kv_heads * n_rep, S, d)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                            **kwargs):
-    """Plain softmax attention; `attention_mask` is the additive float mask of `create_causal_mask` or None."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
 
 
 class SSEAttention(nn.Module):
