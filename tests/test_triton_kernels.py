@@ -42,24 +42,6 @@ CHUNK_TOL = {"cpu": {F32: 1e-4, BF16: 2e-2}, "cuda": {F32: 1e-2, BF16: 3e-2}}
 IMPLS = ["triton_varlen", "triton_mask"]
 
 
-@pytest.fixture(scope="module")
-def one_triton_config():
-    """Correctness does not depend on fla's tuning, and autotuning every kernel for every dtype and head count costs
-    minutes of compilation: each autotuned kernel runs with one config (the first with 4 warps)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-
-    def first_config(self, *args, **kwargs):
-        configs = prune(self, *args, **kwargs)
-        return [next((c for c in configs if c.num_warps == 4), configs[0])]
-
-    Autotuner.prune_configs = first_config
-    yield
-    Autotuner.prune_configs = prune
-
-
 @pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.triton_interpret),
                         pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):

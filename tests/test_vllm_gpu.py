@@ -11,8 +11,6 @@ HF model in bf16 on the same GPU, chunked Triton path. Measured values go to ben
 """
 import json
 import math
-import os
-import runpy
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,15 +26,8 @@ PROMPTS = 8        # prompts per check; lengths spread from a few tokens to a fe
 MAX_KL = 0.005     # issue 13: mean per-token KL(vLLM sampler || trainer) on sampled rollouts
 
 @pytest.fixture(scope="module", autouse=True)
-def one_triton_config():
-    """fla autotunes each kernel on first use (minutes on a fresh node) and correctness does not depend on the
-    tuning: bench/site's sitecustomize prunes it to one config, here and in vLLM's engine-core process."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    site = str(REPO / "bench" / "site")
-    os.environ.setdefault("SSE_BENCH_ONE_TRITON_CONFIG", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
-    runpy.run_path(os.path.join(site, "sitecustomize.py"))  # the same hooks in this already running process
+def _one_config(one_triton_config):
+    """Every check here runs fla with one config per kernel (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +49,10 @@ def checkpoint(tmp_path_factory):
                        num_attention_heads=4, num_key_value_heads=4, head_dim=128, attention_qk_norm=True,
                        sse_num_partitions=4, sse_top_k=1, sse_lora_rank=32, max_position_embeddings=4096,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=tokenizer.bos_token_id)
+                       bos_token_id=tokenizer.bos_token_id,
+                       sse_impl="chunk_torch_varlen")  # trained without Triton compilation; saved with "auto"
     torch.manual_seed(0)
-    # trained on the torch chunked path (no Triton compilation), served and checked on the default one
-    model = SSEForCausalLM(config.__class__(**{**config.to_dict(), "sse_impl": "chunk_torch_varlen"})).cuda()
+    model = SSEForCausalLM(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     g = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(300):
