@@ -1,6 +1,6 @@
 """Where one decode step of a rollout batch goes, in vLLM with its default compiled engine (CUDA graphs on).
 
-    python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--batch 256] [--out DIR]
+    python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--shape small|1b] [--batch 256] [--out DIR]
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch.profiler sees its kernels. It prints
 (1) the decode step time, from two runs that differ only in their number of new tokens, and (2) the GPU time per
@@ -45,6 +45,7 @@ def decode_kernel_alone(batch, H=8, N=4, c=128, dv=128) -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="SSE-H")
+    p.add_argument("--shape", default="small")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--out", type=Path, default=Path("/tmp"))
     args = p.parse_args()
@@ -55,13 +56,14 @@ def main():
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from vllm_rollouts import PROMPT_TOKENS, SHAPE, configs  # configs() imports sse_model: registers sse_hybrid
+    from vllm_rollouts import COMMON, PROMPT_TOKENS, configs  # configs() imports sse_model: registers sse_hybrid
 
     path = Path(tempfile.mkdtemp()) / args.model
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(configs()[args.model], dtype=torch.bfloat16).save_pretrained(path)
+    config = configs(args.shape)[args.model]
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
-    prompts = [{"prompt_token_ids": torch.randint(0, SHAPE["vocab_size"], (PROMPT_TOKENS,)).tolist()}
+    prompts = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,)).tolist()}
                for _ in range(args.batch)]
 
     def run(new_tokens):
@@ -74,8 +76,8 @@ def main():
     run(16)
     short, long = run(32), run(288)
     step_ms = (long - short) / 256 * 1e3
-    lines = [decode_kernel_alone(args.batch)] if args.model == "SSE-H" else []
-    lines += [f"{args.model}, batch {args.batch}: decode step {step_ms:.2f} ms "
+    lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads)] if args.model == "SSE-H" else []
+    lines += [f"{args.model} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms "
              f"({args.batch / step_ms * 1e3:,.0f} tokens/s in steady decode); 32 tokens took {short:.2f} s"]
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -98,12 +100,12 @@ def main():
     profiler.runcall(run, 33)
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(40)
-    (args.out / f"decode_profile_{args.model}_python.txt").write_text(stream.getvalue())
+    (args.out / f"decode_profile_{args.shape}_{args.model}_python.txt").write_text(stream.getvalue())
     text = "\n".join(lines)
     print(text, flush=True)
-    (args.out / f"decode_profile_{args.model}.md").write_text(text + "\n")
+    (args.out / f"decode_profile_{args.shape}_{args.model}.md").write_text(text + "\n")
     cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
-    (args.out / f"decode_profile_{args.model}_cpu.txt").write_text(cpu)
+    (args.out / f"decode_profile_{args.shape}_{args.model}_cpu.txt").write_text(cpu)
 
 
 if __name__ == "__main__":

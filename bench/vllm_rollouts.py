@@ -1,8 +1,12 @@
 """GRPO-style rollout throughput in vLLM: SSE-H against Qwen3 of the same width, depth and heads, same GPU, same
 run, vLLM's default engine (engine-core process, torch.compile, CUDA graphs, chunked prefill, async scheduling).
 
-    python bench/vllm_rollouts.py [--lengths 1024 4096 16384] [--prompts 32] [--n 8] [--out bench/results]
+    python bench/vllm_rollouts.py [--shape small|1b] [--lengths 1024 4096 16384] [--prompts 32] [--n 8]
+                                  [--out bench/results]
 
+Shapes: `small` (12 layers of 1024, where the first GPU measurement was made; at ~0.2B parameters a decode step
+is mostly vLLM's host-side work for both models) and `1b` (24 layers of 2048, 16 query and 8 KV heads of 128:
+Qwen3-1.7B's width and heads at 24 layers, ~1.3B parameters, where the GPU's work dominates as in real rollouts).
 Both models have random bf16 weights (speed does not depend on them); prompts are random 256-token ids, every
 request generates exactly the asked number of tokens (ignore_eos) at temperature 1, n rollouts per prompt. Each
 model runs in its own process, so engine start (time to a ready `vllm.LLM`) is measured from a cold process and
@@ -28,22 +32,28 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# 12 layers of width 1024, 8 heads of 128 (the shape of the earlier measurement in docs/vllm-backend.md), the
-# attention layers of SSE-H at 5 and 11, n4k1 with a shared partition.
-SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
-             num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=40960,
-             tie_word_embeddings=False)
+COMMON = dict(head_dim=128, vocab_size=32000, max_position_embeddings=40960, tie_word_embeddings=False)
+SHAPES = {
+    # the shape of the first measurement (docs/vllm-backend.md)
+    "small": dict(COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
+                  num_key_value_heads=8),
+    "1b": dict(COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
+               num_key_value_heads=8),
+}
+# SSE-H: an attention layer after every 5 SSE layers (default_layer_types), n4k1 with a shared partition, SSE heads
+# as many as the query heads.
 SSE = dict(sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True, sse_lora_rank=64, attention_qk_norm=True)
 PROMPT_TOKENS = 256
 
 
-def configs():
+def configs(shape: str = "small"):
     from transformers import Qwen3Config
 
     from sse_model import SSEConfig
     from sse_model.configuration_sse import default_layer_types
-    return {"SSE-H": SSEConfig(**SHAPE, **SSE, layer_types=default_layer_types(SHAPE["num_hidden_layers"])),
-            "Qwen3": Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
+    dims = SHAPES[shape]
+    return {"SSE-H": SSEConfig(**dims, **SSE, layer_types=default_layer_types(dims["num_hidden_layers"])),
+            "Qwen3": Qwen3Config(**dims, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
 def cache_bytes_per_sequence(config, tokens: int) -> int:
@@ -67,7 +77,7 @@ def worker(args) -> None:
     g = torch.Generator().manual_seed(0)
 
     def run(prompts, length):
-        batch = [{"prompt_token_ids": torch.randint(0, SHAPE["vocab_size"], (PROMPT_TOKENS,), generator=g).tolist()}
+        batch = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,), generator=g).tolist()}
                  for _ in range(prompts)]
         params = SamplingParams(n=args.n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
                                 detokenize=False)
@@ -107,6 +117,7 @@ def run_model(name, path, args, log: Path) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompts-long", type=int, default=32)
@@ -128,14 +139,14 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
-    results, cfgs = {}, configs()
+    results, cfgs = {}, configs(args.shape)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             path = Path(tmp) / name
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(cfgs[name], dtype=torch.bfloat16).save_pretrained(path)
             try:
-                results[name] = run_model(name, path, args, args.out / f"vllm_rollouts_{name}.log")
+                results[name] = run_model(name, path, args, args.out / f"vllm_rollouts_{args.shape}_{name}.log")
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"{name}: {e}", flush=True)
                 results[name] = dict(error=str(e)[-2000:])
@@ -144,16 +155,20 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = dict(date=now.isoformat(timespec="seconds"), device=device,
                   vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
-                  shape=SHAPE, sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n, engine=json.loads(args.engine),
+                  shape=dict(SHAPES[args.shape], name=args.shape), sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n,
+                  engine=json.loads(args.engine),
                   cache_mib_per_sequence={name: cache_bytes_per_sequence(cfgs[name], longest) / 2**20
                                           for name in cfgs},
                   results=results)
-    stem = args.out / f"vllm_rollouts_{now:%Y%m%d-%H%M}"
+    stem = args.out / f"vllm_rollouts_{args.shape}_{now:%Y%m%d-%H%M}"
+    dims, sse_h = SHAPES[args.shape], cfgs["SSE-H"]
+    attention_at = [i for i, kind in enumerate(sse_h.layer_types) if kind != "linear_attention"]
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Rollouts in vLLM {vllm.__version__}: SSE-H vs Qwen3, {report['device']}, {report['date']}", "",
-             f"bf16, random weights, {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']}, "
-             f"{SHAPE['num_attention_heads']} heads of {SHAPE['head_dim']}; SSE-H n{SSE['sse_num_partitions']}"
-             f"k{SSE['sse_top_k']} + shared, attention at 5 and 11; {PROMPT_TOKENS}-token prompts x n = {args.n}, "
+             f"bf16, random weights, shape `{args.shape}`: {dims['num_hidden_layers']} layers x "
+             f"{dims['hidden_size']}, {dims['num_attention_heads']} query / {dims['num_key_value_heads']} KV heads "
+             f"of {dims['head_dim']}; SSE-H n{SSE['sse_num_partitions']}k{SSE['sse_top_k']} + shared, attention at "
+             f"{', '.join(map(str, attention_at))}; {PROMPT_TOKENS}-token prompts x n = {args.n}, "
              f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", "",
              "| measure | SSE-H | Qwen3 | SSE-H / Qwen3 |", "| --- | ---: | ---: | ---: |"]
 

@@ -297,17 +297,18 @@ class SSELinearAttention(nn.Module):
                       log_decay=heads(sse_math.log_decay(parts[3], self.config.sse_decay_normalizer)))
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        output[:num_tokens] = self._recur(inputs, metadata, state)
+        self._recur(inputs, metadata, state, output)
 
-    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata,
-               state: torch.Tensor) -> torch.Tensor:
-        """state: this layer's [num_slots, H, N + shared, c, d_v] float32 view of its cache entry."""
+    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata, state: torch.Tensor,
+               output: torch.Tensor) -> None:
+        """state: this layer's [num_slots, H, N + shared, c, d_v] float32 view of its cache entry. Inputs are views
+        into the packed buffer and decodes write straight into `output`: the decode kernel reads and writes rows
+        at any stride, so a decode step copies none of its inputs or its output."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
-        parts = []
         if nd:
             step = {name: t[:nd] for name, t in inputs.items()}
-            parts.append(kernels.sse_decode(state, slots[:nd], **step, **self.ops, impl=self.decode_impl))
+            kernels.sse_decode(state, slots[:nd], **step, **self.ops, out=output[:nd], impl=self.decode_impl)
         if npf:
             qsl = metadata.query_start_loc[nd:nd + npf + 1]
             prefill_slots = slots[nd:nd + npf].long()
@@ -316,8 +317,7 @@ class SSELinearAttention(nn.Module):
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)
             state[prefill_slots] = final.to(state.dtype)
-            parts.append(o[0])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            output[nd:nd + o.shape[1]] = o[0]
 
 
 class SSEDecoderLayer(nn.Module):

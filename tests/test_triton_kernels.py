@@ -331,6 +331,31 @@ def test_decode_vs_reference(device, N, K, dtype, row_topk):
     assert torch.equal(cache[untouched], state[untouched]), "slots outside the batch changed"
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_decode_reads_packed_rows_and_writes_into_out(device, impl):
+    """The vLLM layout: every input a view into one packed [B, width] projection buffer (token stride = width),
+    the output rows of a larger buffer. Same result as contiguous inputs, written in place, nothing else touched."""
+    from kernels import sse_decode
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    N, K, B = 4, 2, 5
+    slots = torch.tensor([3, -1, 0, 6, 2], device=device)
+    sizes = [H * c, H * c, H * dv, H * c, N, H * c, H * c]   # q, k, v, log decay, router, q_shared, k_shared
+    packed = torch.randn(B, sum(sizes), device=device, dtype=BF16)
+    parts = packed.split(sizes, -1)
+    names = ["q", "k_logits", "v", "log_decay", "router_logits", "q_shared", "k_shared_logits"]
+    views = {n: p if n == "router_logits" else p.view(B, H, -1) for n, p in zip(names, parts)}
+    views["log_decay"] = -views["log_decay"].float().abs() / 16
+    assert not views["q"].is_contiguous()
+    state = torch.randn(8, H, N + 1, c, dv, device=device)
+    expect_state = state.clone()
+    expect = sse_decode(expect_state, slots, **{n: x.contiguous() for n, x in views.items()}, top_k=K, impl=impl)
+    buffer = torch.full((B + 2, H, dv), 7.0, device=device, dtype=BF16)
+    returned = sse_decode(state, slots, **views, top_k=K, out=buffer[1:B + 1], impl=impl)
+    assert returned.data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(buffer[1:B + 1], expect) and torch.equal(state, expect_state)
+    assert bool((buffer[0] == 7).all() and (buffer[B + 1] == 7).all()), "rows outside out were written"
+
+
 def test_decode_row_topk_ties_keep_exactly_r_rows(device):
     """Ties in the row-sparse top-r (common in bf16) keep exactly r rows, the lowest indices."""
     from kernels import sse_decode

@@ -218,7 +218,9 @@ def test_chunked_prefill_mixed_batches_and_preemption_match_one_shot(engine, sma
             tie_gaps.append(top[ta[same]].logprob - other)
     d = torch.cat(diffs)
     RESULTS["small_steps_vs_one_shot"] = dict(mean=float(d.mean()), max=float(d.max()), agreed_tokens=agreed,
-                                             tie_gaps=tie_gaps, new_tokens=block, preemptions=preempted)
+                                             tie_gaps=tie_gaps, new_tokens=block, preemptions=preempted,
+                                             cache_blocks=small.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+                                             block_size=block)
     save_results()
     assert float(d.mean()) < 0.02 and all(gap < 0.1 for gap in tie_gaps), RESULTS["small_steps_vs_one_shot"]
     assert preempted > 0, "the small cache did not preempt any request; the check would prove nothing"

@@ -9,10 +9,14 @@ from kernels.sse.routing import route, softmax_keys
 
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                     k_shared_logits=None, row_topk=None, scale=None):
+                     k_shared_logits=None, row_topk=None, scale=None, out=None):
     """state [num_slots, H, N + shared, c, d_v] (float32, updated in place); q, k_logits, log_decay,
     q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
-    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows)."""
+    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given."""
+    if out is not None:
+        return out.copy_(sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
+                                          q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
+                                          scale=scale))
     B, H, c = q.shape
     N = router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale

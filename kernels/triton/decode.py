@@ -6,6 +6,10 @@ each of the K selected partitions and the shared one loads its [c, BLOCK_V] stat
 stores it back and accumulates w * q S. So each touched state is read once and written once, the other
 partitions are not touched, and a slot id of -1 masks every load and store (output 0). Shapes are all the
 launch needs: the step is CUDA-graph capturable.
+
+Token vectors are read and the output written through their token (row) stride, so a caller's views into one
+packed projection buffer and into its output buffer go in as they are: in vLLM that saves a copy per input and
+one for the output in every layer of every decode step.
 """
 import torch
 import triton
@@ -25,7 +29,8 @@ def _update(state_ptr, tile, mask, decay, key, v, q):
 
 @triton.jit
 def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale, H, C, V,
-                   N, stride_slot, stride_head, stride_part, stride_row, stride_col, K: tl.constexpr,
+                   N, stride_slot, stride_head, stride_part, stride_row, stride_col, row_q, row_k, row_v, row_g,
+                   row_e, row_qs, row_ks, row_o, K: tl.constexpr,
                    SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -35,15 +40,15 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     c = tl.arange(0, BLOCK_C)[None, :]
     d = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     n = tl.arange(0, BLOCK_N)[None, :]
-    bhc = (b * H + h) * C + c
+    hc = h * C + c                                     # within a token's row: heads, then c (or d_v) contiguous
     # Token vectors are loaded as rows [1, C] for the softmax helpers and transposed into columns [C, 1] to
     # scale the state's rows.
-    keys, keep = softmax_keys(tl.load(k_ptr + bhc, mask=c < C, other=0.0).to(tl.float32), c < C, ROW_TOPK,
-                              BLOCK_C)
-    g = tl.load(g_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + (b * H + h) * V + d, mask=d < V, other=0.0).to(tl.float32)
-    logits = tl.load(e_ptr + b * N + n, mask=n < N, other=0.0).to(tl.float32)
+    keys, keep = softmax_keys(tl.load(k_ptr + b * row_k + hc, mask=c < C, other=0.0).to(tl.float32), c < C,
+                              ROW_TOPK, BLOCK_C)
+    g = tl.load(g_ptr + b * row_g + hc, mask=c < C, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b * row_q + hc, mask=c < C, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
+    logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)
     w = router_softmax(logits, n, N)
     scores = tl.where(n < N, logits, float("-inf"))
 
@@ -59,20 +64,36 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         p = tl.sum(p)                                  # scalar partition index
         acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
     if SHARED:
-        keys_s, keep_s = softmax_keys(tl.load(ks_ptr + bhc, mask=c < C, other=0.0).to(tl.float32), c < C,
-                                      ROW_TOPK, BLOCK_C)
-        q_s = tl.load(qs_ptr + bhc, mask=c < C, other=0.0).to(tl.float32)
+        keys_s, keep_s = softmax_keys(tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0).to(tl.float32),
+                                      c < C, ROW_TOPK, BLOCK_C)
+        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0).to(tl.float32)
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
         acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v, tl.trans(q_s))
     o = tl.where(live, scale * acc, 0.0)
-    tl.store(o_ptr + (b * H + h) * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
+    tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
+
+
+def _tokens_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's values x[b] are contiguous (tokens themselves may be at any stride)."""
+    expect = 1
+    for size, stride in reversed(list(zip(x.shape[1:], x.stride()[1:]))):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, ...] as the kernel reads it: copied only when a token's values are not contiguous."""
+    return x if _tokens_contiguous(x) else x.contiguous()
 
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                      k_shared_logits=None, row_topk=None, scale=None):
+                      k_shared_logits=None, row_topk=None, scale=None, out=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32
     (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v];
-    router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype.
+    router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written into `out`
+    when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     Slot ids must be distinct (two programs writing one state would race)."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
@@ -83,13 +104,17 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
         raise ValueError(f"state must be [num_slots, H, N + shared, c, d_v] = [*, {H}, {N + shared}, {C}, {V}], "
                          f"got {tuple(state.shape)}")
     scale = C**-0.5 if scale is None else scale
-    o = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
+    if out is None:
+        out = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
+    elif out.shape != (B, H, V) or not _tokens_contiguous(out):
+        raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
+                         f"{tuple(out.shape)}, strides {out.stride()}")
     block_v = min(triton.next_power_of_2(V), 32)  # a [c, 32] float32 tile: 16 KB per partition at c = 128
-    args = [x.contiguous() for x in (q, k_logits, v, log_decay, router_logits)]
-    shared_args = [x.contiguous() for x in (q_shared, k_shared_logits)] if shared else args[:2]
+    args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
+    shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B, H, triton.cdiv(V, block_v))](
-            state, slot_ids.contiguous(), *args, *shared_args, o, scale, H, C, V, N, *state.stride(), top_k, shared,
-            row_topk or 0,
+            state, slot_ids.contiguous(), *args, *shared_args, out, scale, H, C, V, N, *state.stride(),
+            *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
             triton.next_power_of_2(C), block_v, triton.next_power_of_2(N), num_warps=4)
-    return o
+    return out
