@@ -11,14 +11,17 @@ def register() -> None:
 
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.platforms import current_platform
 
     from sse_model.configuration_sse import SSEConfig
+    from sse_model.vllm_engine_config import SSEEngineConfig
 
     AutoConfig.register(SSEConfig.model_type, SSEConfig, exist_ok=True)
     if "SSEForCausalLM" not in ModelRegistry.get_supported_archs():
         # Lazy "module:class" form: vLLM imports the model only where it builds it.
         ModelRegistry.register_model("SSEForCausalLM", "sse_model.vllm_model:SSEForCausalLM")
+    MODELS_CONFIG_MAP.setdefault("SSEForCausalLM", SSEEngineConfig)  # engine defaults for SSE states
     if current_platform.is_cpu():
         rewind_seeded_generators_on_cpu()
     if importlib.util.find_spec("flashinfer") is None:

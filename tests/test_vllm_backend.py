@@ -146,8 +146,12 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     def registry():
         from vllm import ModelRegistry
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+        from sse_model.vllm_engine_config import SSEEngineConfig
         register(), register()  # idempotent
-        return "SSEForCausalLM" in ModelRegistry.get_supported_archs()
+        return ("SSEForCausalLM" in ModelRegistry.get_supported_archs()
+                and MODELS_CONFIG_MAP["SSEForCausalLM"] is SSEEngineConfig)
 
     def cache_groups(name):
         runner = engines[name].llm_engine.model_executor.driver_worker.model_runner
@@ -315,6 +319,57 @@ def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"},
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "1", out.stderr[-2000:]
+
+
+def engine_config(layer_types, max_num_seqs=1024, **cache):
+    """The parts of a VllmConfig the engine-defaults hook reads: a 1B-class SSE-H (16 heads, n4k1 + shared)."""
+    from types import SimpleNamespace
+    config = SSEConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=len(layer_types),
+                       layer_types=layer_types, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       sse_num_partitions=4, sse_top_k=1, sse_lora_rank=64)
+    cache = {**dict(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9), **cache}
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
+                           cache_config=SimpleNamespace(**cache),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+
+def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(monkeypatch):
+    """vLLM refuses to start a hybrid whose max_num_seqs exceeds its state slots (full decode CUDA graphs); at its
+    H100 default of 1024 a 1B-class SSE-H did not start (bench/results/vllm_rollouts_1b_*). The hook lowers it to
+    what the cache holds: a sequence of a hybrid takes one block of states and at least one of attention."""
+    from vllm.platforms import current_platform
+
+    from sse_model import vllm_engine_config as hook
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
+    monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
+    layers = [S] * 5 + [A]
+    state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1)
+    assert state == 20 * 4 * 16 * 5 * 128 * 128  # float32, 20 SSE layers, 16 heads, 4 partitions + shared
+
+    vllm_config = engine_config(layers * 4)
+    hook.SSEEngineConfig.verify_and_update_config(vllm_config)
+    weights = hook.weight_bytes(vllm_config.model_config.hf_config, torch.bfloat16)
+    budget = (80 << 30) * 0.9 * (1 - hook.RESERVED_FRACTION) - weights
+    assert vllm_config.scheduler_config.max_num_seqs == int(budget) // state // 2 < 1024
+
+    fits = engine_config(layers * 4, max_num_seqs=64)  # already fits: left alone
+    hook.SSEEngineConfig.verify_and_update_config(fits)
+    assert fits.scheduler_config.max_num_seqs == 64
+    blocks = engine_config(layers * 4, num_gpu_blocks_override=10)  # two blocks per sequence
+    hook.SSEEngineConfig.verify_and_update_config(blocks)
+    assert blocks.scheduler_config.max_num_seqs == 5
+    pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 4 * 16 * 5 * 128 * 128)  # one block each
+    hook.SSEEngineConfig.verify_and_update_config(pure)
+    assert pure.scheduler_config.max_num_seqs == 100
+    transformer = engine_config([A] * 4)  # no states: vLLM's own default stands
+    hook.SSEEngineConfig.verify_and_update_config(transformer)
+    assert transformer.scheduler_config.max_num_seqs == 1024
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
+    cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs
+    hook.SSEEngineConfig.verify_and_update_config(cpu)
+    assert cpu.scheduler_config.max_num_seqs == 1024
 
 
 def test_plugin_entry_point_and_idempotent_registration(worker):

@@ -96,8 +96,9 @@ def engine(checkpoint):
 @pytest.fixture(scope="module")
 def small_steps_engine(checkpoint, engine):
     """Chunked prefill in 32-token steps next to decodes, and a cache of 10 blocks. A hybrid request holds one
-    block per group of SSE layers (2 here) plus its attention blocks, so 3 requests start and each needs one more
-    block once it generates past a block boundary: requests are preempted and recomputed."""
+    block of SSE states plus its attention blocks, so at most 5 run at once (the plugin lowers max_num_seqs to that)
+    and each needs a third block once it generates past its first attention block: requests are preempted and
+    recomputed."""
     from vllm import LLM
     block = engine.llm_engine.vllm_config.cache_config.block_size
     longest = max(map(len, checkpoint[1]))
@@ -200,8 +201,10 @@ def test_chunked_prefill_mixed_batches_and_preemption_match_one_shot(engine, sma
     there the two engines' choices must have been a near-tie (a state bug gives large logprob gaps instead)."""
     from vllm import SamplingParams
     small, block = small_steps_engine
-    one_shot = greedy(engine, checkpoint[1], new_tokens=block)
-    chunked = greedy(small, checkpoint[1], new_tokens=block)
+    # past end-of-text too: the trained model stops after an answer, and only sequences that outgrow their first
+    # attention block make the small cache preempt
+    one_shot = greedy(engine, checkpoint[1], new_tokens=block, ignore_eos=True)
+    chunked = greedy(small, checkpoint[1], new_tokens=block, ignore_eos=True)
     preempted = sum(getattr(m, "value", 0) for m in small.llm_engine.get_metrics() if m.name == "vllm:num_preemptions")
     diffs, agreed, tie_gaps = [], [], []
     for a, b in zip(one_shot, chunked):

@@ -1,0 +1,70 @@
+"""Engine defaults vLLM cannot choose for an SSE hybrid by itself, applied when the engine's config is built.
+
+vLLM runs decode batches in full CUDA graphs, which need one state slot per sequence of `max_num_seqs`, and it
+refuses to start when the cache has fewer slots ("max_num_seqs (1024) exceeds available Mamba cache blocks (699)").
+Its default `max_num_seqs` (1024 on an H100) suits models with small recurrent states; an SSE layer's state is
+4 * H * (N + 1) * c * d_v bytes per sequence (5 MiB at H = 16, N = 4, c = d_v = 128), so a 1B-class SSE-H on an
+80 GB GPU holds a few hundred sequences and, with the default, does not start. vLLM's own models with such limits
+lower the default in the same hook (`vllm.model_executor.models.config.MODELS_CONFIG_MAP`).
+"""
+import logging
+
+import torch
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+from sse_model.configuration_sse import SSE_LAYER
+
+logger = logging.getLogger(__name__)
+
+# The share of vLLM's memory (gpu_memory_utilization of the GPU) assumed to go to activations, CUDA graphs and the
+# sampler rather than the cache; the weights are counted exactly. Erring high only lowers max_num_seqs further
+# below what the cache holds (on an H100, 1B-class: 313 sequences estimated, 349 held).
+RESERVED_FRACTION = 0.1
+
+
+def state_bytes_per_sequence(config, tp_size: int) -> int:
+    """float32 SSE states of all SSE layers for one sequence on one tensor-parallel rank."""
+    layers = sum(kind == SSE_LAYER for kind in config.layer_types)
+    return 4 * layers * (config.sse_num_heads // tp_size) * config.num_sse_partitions_with_shared \
+        * config.sse_key_dim * config.sse_value_dim
+
+
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    from sse_model.modeling_sse import SSEForCausalLM
+    with torch.device("meta"):
+        return sum(p.numel() for p in SSEForCausalLM(config).parameters()) * dtype.itemsize
+
+
+def sequences_that_fit(vllm_config, total_memory: int) -> int | None:
+    """How many sequences the state cache holds at once, or None where states do not limit it.
+
+    vLLM makes one cache block hold one sequence's SSE states (all its SSE layers) and an attention block the
+    same number of bytes, so a running sequence of a hybrid takes at least two blocks."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    config, tp = model.hf_config, vllm_config.parallel_config.tensor_parallel_size
+    state = state_bytes_per_sequence(config, tp)
+    if not state:
+        return None
+    if cache.num_gpu_blocks_override:
+        blocks = cache.num_gpu_blocks_override
+    else:
+        budget = cache.kv_cache_memory_bytes or int(total_memory * cache.gpu_memory_utilization
+                                                    * (1 - RESERVED_FRACTION) - weight_bytes(config, model.dtype) / tp)
+        blocks = budget // state
+    blocks_per_sequence = 2 if any(kind != SSE_LAYER for kind in config.layer_types) else 1
+    return max(1, blocks // blocks_per_sequence)
+
+
+class SSEEngineConfig(VerifyAndUpdateConfig):
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        from vllm.platforms import current_platform
+        if not current_platform.is_cuda_alike():  # the CPU build runs no CUDA graphs and sizes its cache itself
+            return
+        fit = sequences_that_fit(vllm_config, current_platform.get_device_total_memory())
+        scheduler = vllm_config.scheduler_config
+        if fit is not None and scheduler.max_num_seqs > fit:
+            logger.warning("SSE-H: max_num_seqs lowered from %d to %d, the sequences whose SSE states fit in the "
+                           "cache (pass max_num_seqs, gpu_memory_utilization or kv_cache_memory_bytes to choose)",
+                           scheduler.max_num_seqs, fit)
+            scheduler.max_num_seqs = fit
