@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS: dict = {}
 PROMPTS = 8        # prompts per check; lengths spread from a few tokens to a few hundred
 MAX_KL = 0.005     # issue 13: mean per-token KL(vLLM sampler || trainer) on sampled rollouts
+# Two greedy choices this close are a tie in bf16: logits of magnitude 8-16 are 1/16 apart, and the first runs'
+# gaps at divergences were 0, 1/16 and 2/16 (a state bug gives gaps of whole nats).
+NEAR_TIE = 0.25
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_config(one_triton_config):
@@ -225,5 +228,5 @@ def test_chunked_prefill_mixed_batches_and_preemption_match_one_shot(engine, sma
                                              cache_blocks=small.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                                              block_size=block)
     save_results()
-    assert float(d.mean()) < 0.02 and all(gap < 0.1 for gap in tie_gaps), RESULTS["small_steps_vs_one_shot"]
+    assert float(d.mean()) < 0.02 and all(gap <= NEAR_TIE for gap in tie_gaps), RESULTS["small_steps_vs_one_shot"]
     assert preempted > 0, "the small cache did not preempt any request; the check would prove nothing"
