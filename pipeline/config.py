@@ -213,6 +213,9 @@ class EvalSettings:
     # Which models the eval stage scores: "last" (the newest model of the run), or stage names whose model to
     # compare (e.g. [init, sft, grpo]: untrained, after SFT, after GRPO).
     models: list[Literal["last", "init", "convert", "sft", "grpo"]] = field(default_factory=lambda: ["last"])
+    # State diagnostics (eval/state.py): the singular-value entropy of each SSE partition's state after this many
+    # problems of each dataset (prompt + first sample), in the report; 0 turns them off.
+    state_problems: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,6 @@
 """`runs/<name>/report.md` with PNG plots: SFT loss; GRPO reward (total and per function), accuracy, response
-length, KL / clip fraction; SSE partition usage; stage table and the eval table. Rewritten after every stage."""
+length, KL / clip fraction; SSE partition usage; stage table, the eval tables and each model's SSE state table.
+Rewritten after every stage."""
 import json
 import re
 from collections import defaultdict
@@ -97,6 +98,8 @@ def write_report(run_dir) -> None:
     for table in tables:
         label = "" if table.parent == eval_dir else f" of the `{table.parent.name}` model"
         lines += ["", f"## Evaluation{label}", "", table.read_text().strip()]
+        if (table.parent / "state.md").exists():
+            lines += ["", f"### SSE state{label}", "", (table.parent / "state.md").read_text().strip()]
     for title, file in images:
         lines += ["", f"## {title}", "", f"![{title}]({file})"]
     lines += ["", "Metrics: `metrics.jsonl`; resolved config: `config.yaml`; manifest: `manifest.json`.", ""]

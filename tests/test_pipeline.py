@@ -1,6 +1,7 @@
 """The whole pipeline, shortened: `sse-rl run` on the tiny config with every stage (init, sft, grpo, eval), real
 Ray, real TRL trainers and real vLLM CPU rollouts through the SSE plugin (issue 6)."""
 import json
+import math
 import re
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     for image in ("sft_loss.png", "grpo_reward.png", "partition_usage.png"):
         assert image in report and (run / image).stat().st_size > 1000
     assert "Evaluation of the `grpo` model" in report and "arith-test" in report
+    assert "SSE state of the `grpo` model" in report and "| arith-test: layer | p0 |" in report
+    entropies = [v for m in metrics if m["stage"] == "eval" for k, v in m.items() if "/state_entropy/" in k]
+    assert entropies and all(0 <= h <= math.log(32) for h in entropies)  # tiny config: c = d_v = 32
     changes = {k: v for m in metrics if m["stage"] == "eval" for k, v in m.items() if "-vs-" in k}
     for pair in ("sft-vs-init", "grpo-vs-sft"):  # each model against the one before it, paired by problem
         low, change, high = (changes[f"{pair}/arith-test/avg@2_change{s}"] for s in ("_ci95_low", "", "_ci95_high"))

@@ -5,6 +5,7 @@ import os
 
 from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
+from eval.state import state_report
 
 
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
@@ -34,6 +35,11 @@ def run(cfg, run_dir, model_path) -> dict:
         prefix = "" if label == "last" else f"{label}/"
         run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores[label].items()
                                         for key, value in m.items() if isinstance(value, (int, float))})
+        state = state_report(path, cfg.data.eval, out, e.state_problems) if e.state_problems else None
+        if state:
+            run_dir.log_metrics("eval", 0, {f"{prefix}{name}/state_entropy/{layer}/{p}": round(h, 4)
+                                            for name, layers in state.items() for layer, row in enumerate(layers)
+                                            for p, h in enumerate(row)})
     paired = changes(run_dir, dirs, list(next(iter(scores.values()))), e.n)  # every model: the same datasets
     summary = [f"{'' if label == 'last' else label + '/'}{name} {headline} {m[headline]:.3f}"
                for label, by_name in scores.items() for name, m in by_name.items()]
