@@ -38,7 +38,7 @@ def test_shipped_rewards_are_registered(path):
 
 def test_shipped_set_is_complete():
     assert {p.name for p in CONFIGS} >= {"tiny.yaml", "tiny_gla.yaml", "tiny_transformer.yaml", "sse_h_2b.yaml",
-                                         "convert_qwen3_1p7b.yaml"}
+                                         "convert_qwen3_1p7b.yaml", "gpu_small.yaml"}
 
 
 def test_baselines_differ_from_tiny_only_in_architecture():
