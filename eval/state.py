@@ -1,6 +1,7 @@
 """The eval stage's state diagnostics: `sse_model.diagnostics.state_entropy` on the evaluated problems, each
 prompt followed by the model's first sample, as a per-layer, per-partition table (`state.md`) and metrics."""
 import json
+import math
 
 import torch
 
@@ -44,7 +45,7 @@ def markdown(report: dict, config) -> str:
     layer_ids = [i for i, kind in enumerate(config.layer_types) if kind == SSE_LAYER]
     c = min(config.sse_key_dim, config.sse_value_dim)
     partitions = [f"p{i}" for i in range(config.sse_num_partitions)] + ["shared"] * config.sse_shared_partition
-    lines = [f"Singular-value entropy (nats, at most ln {c} = {torch.log(torch.tensor(float(c))):.2f}) of each "
+    lines = [f"Singular-value entropy (nats, at most ln {c} = {math.log(c):.2f}) of each "
              "SSE partition's state after prompt + first sample, mean over heads and problems "
              "(docs/retrieval.md, \"State diagnostics\"); 0 = a partition nothing was routed to."]
     for name, layers in report.items():
