@@ -57,13 +57,13 @@ def configs(shape: str = "small"):
 
 
 def cache_bytes_per_sequence(config, tokens: int) -> int:
-    """float32 SSE state per SSE layer (constant) plus bf16 KV per attention layer (linear in tokens)."""
+    """float32 SSE states (constant; what the plugin sizes max_num_seqs by) plus bf16 KV per attention layer."""
     from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
+    from sse_model.vllm_engine_config import state_bytes_per_sequence
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
-    state = 4 * getattr(config, "sse_num_heads", 0) * getattr(config, "num_sse_partitions_with_shared", 0) \
-        * getattr(config, "sse_key_dim", 0) * getattr(config, "sse_value_dim", 0)
+    state = state_bytes_per_sequence(config, tp_size=1) if SSE_LAYER in kinds else 0
     kv = 2 * config.num_key_value_heads * config.head_dim * 2 * tokens
-    return sum(state if kind == SSE_LAYER else kv for kind in kinds)
+    return state + kv * sum(kind != SSE_LAYER for kind in kinds)
 
 
 def worker(args) -> None:
