@@ -12,7 +12,8 @@ request generates exactly the asked number of tokens (ignore_eos) at temperature
 model runs in its own process, so engine start (time to a ready `vllm.LLM`) is measured from a cold process and
 memory is freed between models. Reported per model: start seconds, output tokens/s per generation length,
 vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache holds), and cache
-bytes per sequence (SSE state + attention KV) from the config.
+bytes per sequence (SSE state + attention KV) from the config. `SSE-H-bf16-states` is the same SSE-H with its
+states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; `--models SSE-H SSE-H-bf16-states Qwen3`).
 
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
@@ -44,6 +45,9 @@ SHAPES = {
 # as many as the query heads.
 SSE = dict(sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True, sse_lora_rank=64, attention_qk_norm=True)
 PROMPT_TOKENS = 256
+# Per-model vllm.LLM settings on top of --engine.
+MODEL_ENGINE = {"SSE-H-bf16-states": dict(mamba_ssm_cache_dtype="bfloat16")}
+MODELS = ["SSE-H", "SSE-H-bf16-states", "Qwen3"]
 
 
 def configs(shape: str = "small"):
@@ -52,16 +56,21 @@ def configs(shape: str = "small"):
     from sse_model import SSEConfig
     from sse_model.configuration_sse import default_layer_types
     dims = SHAPES[shape]
-    return {"SSE-H": SSEConfig(**dims, **SSE, layer_types=default_layer_types(dims["num_hidden_layers"])),
+    sse_h = SSEConfig(**dims, **SSE, layer_types=default_layer_types(dims["num_hidden_layers"]))
+    return {"SSE-H": sse_h, "SSE-H-bf16-states": sse_h,
             "Qwen3": Qwen3Config(**dims, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
-def cache_bytes_per_sequence(config, tokens: int) -> int:
-    """float32 SSE states (constant; what the plugin sizes max_num_seqs by) plus bf16 KV per attention layer."""
+def cache_bytes_per_sequence(name, config, tokens: int) -> int:
+    """SSE states (constant; what the plugin sizes max_num_seqs by) plus bf16 KV per attention layer."""
+    from types import SimpleNamespace
+
     from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
-    from sse_model.vllm_engine_config import state_bytes_per_sequence
+    from sse_model.vllm_engine_config import state_bytes_per_sequence, state_dtype
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
-    state = state_bytes_per_sequence(config, tp_size=1) if SSE_LAYER in kinds else 0
+    engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
+    dtype = state_dtype(SimpleNamespace(**engine))
+    state = state_bytes_per_sequence(config, 1, dtype) if SSE_LAYER in kinds else 0
     kv = 2 * config.num_key_value_heads * config.head_dim * 2 * tokens
     return state + kv * sum(kind != SSE_LAYER for kind in kinds)
 
@@ -99,7 +108,8 @@ def worker(args) -> None:
 
 
 def run_model(name, path, args, log: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--name", name, "--model", str(path), "--engine", args.engine,
+    engine = json.dumps({**json.loads(args.engine), **MODEL_ENGINE.get(name, {})})
+    cmd = [sys.executable, __file__, "--worker", "--name", name, "--model", str(path), "--engine", engine,
            "--n", str(args.n), "--prompts", str(args.prompts), "--prompts-long", str(args.prompts_long),
            "--long-from", str(args.long_from), "--lengths", *map(str, args.lengths)]
     with open(log, "w") as f:
@@ -123,7 +133,7 @@ def main(argv=None):
     p.add_argument("--prompts-long", type=int, default=32)
     p.add_argument("--long-from", type=int, default=1 << 30)
     p.add_argument("--n", type=int, default=8)
-    p.add_argument("--models", nargs="+", default=["SSE-H", "Qwen3"])
+    p.add_argument("--models", nargs="+", default=["SSE-H", "Qwen3"], choices=MODELS)
     p.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON (default: none)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -157,7 +167,7 @@ def main(argv=None):
                   vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
                   shape=dict(SHAPES[args.shape], name=args.shape), sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n,
                   engine=json.loads(args.engine),
-                  cache_mib_per_sequence={name: cache_bytes_per_sequence(cfgs[name], longest) / 2**20
+                  cache_mib_per_sequence={name: cache_bytes_per_sequence(name, cfgs[name], longest) / 2**20
                                           for name in cfgs},
                   results=results)
     stem = args.out / f"vllm_rollouts_{args.shape}_{now:%Y%m%d-%H%M}"
@@ -170,19 +180,22 @@ def main(argv=None):
              f"of {dims['head_dim']}; SSE-H n{SSE['sse_num_partitions']}k{SSE['sse_top_k']} + shared, attention at "
              f"{', '.join(map(str, attention_at))}; {PROMPT_TOKENS}-token prompts x n = {args.n}, "
              f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", "",
-             "| measure | SSE-H | Qwen3 | SSE-H / Qwen3 |", "| --- | ---: | ---: | ---: |"]
+             ""]
+    models = [m for m in args.models if m != "Qwen3"] + ["Qwen3"]
+    lines += ["| measure | " + " | ".join(models) + " | " + " | ".join(f"{m} / Qwen3" for m in models[:-1]) + " |",
+              "| --- |" + " ---: |" * (2 * len(models) - 1)]
 
     def row(label, get, fmt):
-        """get(model name) -> number, or None where that model failed."""
+        """get(model name) -> number, or None where that model failed or did not run."""
         vals = []
-        for model in ("SSE-H", "Qwen3"):
+        for model in models:
             try:
                 vals.append(get(model))
             except (KeyError, TypeError):
                 vals.append(None)
-        ratio = f"{vals[0] / vals[1]:.2f}" if None not in vals and vals[1] else ""
+        ratios = [f"{v / vals[-1]:.2f}" if v is not None and vals[-1] else "" for v in vals[:-1]]
         lines.append(f"| {label} | " + " | ".join("failed" if v is None else fmt.format(v) for v in vals)
-                     + f" | {ratio} |")
+                     + " | " + " | ".join(ratios) + " |")
 
     row("engine start, s", lambda m: results[m]["start_s"], "{:.0f}")
     for length in args.lengths:

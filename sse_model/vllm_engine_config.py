@@ -1,9 +1,17 @@
-"""Engine defaults vLLM cannot choose for an SSE hybrid by itself, applied when the engine's config is built.
+"""What an SSE hybrid reads from vLLM's engine config, and the defaults vLLM cannot choose for it by itself.
 
+State dtype. The SSE states are float32 unless the user asks for bfloat16 with vLLM's own knob for recurrent
+states, `mamba_ssm_cache_dtype` (or `mamba_cache_dtype`), as for vLLM's KDA layers (Kimi Linear), whose "auto"
+is float32 too. bfloat16 halves the state bytes a decode step reads and writes (what bounds decode speed) and
+doubles the sequences that fit, but a row whose decay is close to 1 loses updates smaller than its state's last
+bit: measured drift of the SSE output over 4k steps (docs/vllm-backend.md) is 0.5 % for typical gates and 13 %
+for long-memory rows, where float32 stays below 1e-6.
+
+max_num_seqs.
 vLLM runs decode batches in full CUDA graphs, which need one state slot per sequence of `max_num_seqs`, and it
 refuses to start when the cache has fewer slots ("max_num_seqs (1024) exceeds available Mamba cache blocks (699)").
-Its default `max_num_seqs` (1024 on an H100) suits models with small recurrent states; an SSE layer's state is
-4 * H * (N + 1) * c * d_v bytes per sequence (5 MiB at H = 16, N = 4, c = d_v = 128), so a 1B-class SSE-H on an
+Its default `max_num_seqs` (1024 on an H100) suits models with small recurrent states; an SSE layer's float32 state
+is 4 * H * (N + 1) * c * d_v bytes per sequence (5 MiB at H = 16, N = 4, c = d_v = 128), so a 1B-class SSE-H on an
 80 GB GPU holds a few hundred sequences and, with the default, does not start. vLLM's own models with such limits
 lower the default in the same hook (`vllm.model_executor.models.config.MODELS_CONFIG_MAP`).
 """
@@ -22,10 +30,24 @@ logger = logging.getLogger(__name__)
 RESERVED_FRACTION = 0.1
 
 
-def state_bytes_per_sequence(config, tp_size: int) -> int:
-    """float32 SSE states of all SSE layers for one sequence on one tensor-parallel rank."""
+STATE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def state_dtype(cache_config) -> torch.dtype:
+    """The SSE state cache's dtype from vLLM's `mamba_ssm_cache_dtype`, else `mamba_cache_dtype`."""
+    name = cache_config.mamba_ssm_cache_dtype
+    if name == "auto":
+        name = cache_config.mamba_cache_dtype
+    if name not in STATE_DTYPES:
+        raise ValueError(f"SSE states support mamba_ssm_cache_dtype (or mamba_cache_dtype) auto (= float32), "
+                         f"float32 or bfloat16, got {name!r}")
+    return STATE_DTYPES[name]
+
+
+def state_bytes_per_sequence(config, tp_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """SSE states of all SSE layers for one sequence on one tensor-parallel rank."""
     layers = sum(kind == SSE_LAYER for kind in config.layer_types)
-    return 4 * layers * (config.sse_num_heads // tp_size) * config.num_sse_partitions_with_shared \
+    return dtype.itemsize * layers * (config.sse_num_heads // tp_size) * config.num_sse_partitions_with_shared \
         * config.sse_key_dim * config.sse_value_dim
 
 
@@ -42,7 +64,7 @@ def sequences_that_fit(vllm_config, total_memory: int) -> int | None:
     same number of bytes, so a running sequence of a hybrid takes at least two blocks."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     config, tp = model.hf_config, vllm_config.parallel_config.tensor_parallel_size
-    state = state_bytes_per_sequence(config, tp)
+    state = state_bytes_per_sequence(config, tp, state_dtype(cache))
     if not state:
         return None
     if cache.num_gpu_blocks_override:

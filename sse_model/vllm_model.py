@@ -4,8 +4,9 @@ Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse
 parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj`.
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
-holds the float32 states [layers, H, N + shared, c, d_v] of a group of SSE layers (`state_groups`), and vLLM
-allocates, assigns and frees one slot per request, exactly as for its linear-attention models (MiniMax, Bailing).
+holds the states [layers, H, N + shared, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
+of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request, exactly as
+for its linear-attention models (MiniMax, Bailing).
 The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
 prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
 """
@@ -51,6 +52,7 @@ from vllm.v1.attention.selector import get_attn_backend
 import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
+from sse_model.vllm_engine_config import state_dtype
 
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint.
 STACKED_PARAMS = [
@@ -188,6 +190,7 @@ class SSEStates(nn.Module, MambaBase):
     def __init__(self, shape: tuple[int, ...], prefix: str):
         super().__init__()
         self.state_shape = shape
+        self.state_dtype = state_dtype(get_current_vllm_config().cache_config)
         # Mamba-like layers are not registered by vLLM itself; without this entry the layers get no state.
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
@@ -203,7 +206,7 @@ class SSEStates(nn.Module, MambaBase):
         return (self.state_shape,)
 
     def get_state_dtype(self) -> tuple[torch.dtype]:
-        return (torch.float32,)
+        return (self.state_dtype,)
 
     def get_attn_backend(self) -> type[SSEStateBackend]:
         return SSEStateBackend
@@ -301,9 +304,10 @@ class SSELinearAttention(nn.Module):
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata, state: torch.Tensor,
                output: torch.Tensor) -> None:
-        """state: this layer's [num_slots, H, N + shared, c, d_v] float32 view of its cache entry. Inputs are views
-        into the packed buffer and decodes write straight into `output`: the decode kernel reads and writes rows
-        at any stride, so a decode step copies none of its inputs or its output."""
+        """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
+        prefills start from float32 copies of their slots' states). Inputs are views into the packed buffer and
+        decodes write straight into `output`: the decode kernel reads and writes rows at any stride, so a decode
+        step copies none of its inputs or its output."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
         if nd:
@@ -313,7 +317,7 @@ class SSELinearAttention(nn.Module):
             qsl = metadata.query_start_loc[nd:nd + npf + 1]
             prefill_slots = slots[nd:nd + npf].long()
             prefill = {name: t[nd:][None] for name, t in inputs.items()}
-            o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots],
+            o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)
             state[prefill_slots] = final.to(state.dtype)
@@ -404,7 +408,7 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype]:
-        return (torch.float32,)
+        return (state_dtype(vllm_config.cache_config),)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:

@@ -92,28 +92,31 @@ def test_chunked_gradients_match_reference(impl, case):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("act_dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_steps_match_reference(shared, act_dtype, tol):
+@pytest.mark.parametrize("act_dtype,state_dtype,tol", [
+    (torch.float64, torch.float64, 1e-12), (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.float32, 2e-2), (torch.bfloat16, torch.bfloat16, 2e-2)])
+def test_decode_steps_match_reference(shared, act_dtype, state_dtype, tol):
     """Several decode steps over a state cache with permuted slots and skipped rows (-1) equal running the
-    reference on the same tokens from the same initial states."""
+    reference on the same tokens from the same initial states (a bfloat16 cache: vLLM's mamba_ssm_cache_dtype,
+    its states rounded once per step)."""
     N, K, steps, num_slots = 6, 2, 5, 9
     slots = torch.tensor([7, -1, 2, 0])
     live = slots >= 0
     x = sse_inputs(4, steps, H, C, DV, N, shared=shared, seed=5)
     x = {k: v.to(act_dtype).double() for k, v in x.items()}   # inputs representable in the activation dtype
     cache = torch.randn(num_slots, H, N + shared, C, DV, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(6))
+                        generator=torch.Generator().manual_seed(6)).to(state_dtype).double()
     h0 = cache[slots[live]].clone()
     ref_o, ref_s = sse_attention(**{k: v[live] for k, v in x.items()}, top_k=K, initial_state=h0,
                                  output_final_state=True, impl="reference")
-    state = cache.float() if act_dtype != torch.float64 else cache.clone()
+    state = cache.to(state_dtype)
     before = state.clone()
     outs = []
     for t in range(steps):
         step = {k: v[:, t].to(act_dtype) for k, v in x.items()}
         outs.append(sse_decode(state, slots, **step, top_k=K))
     o = torch.stack(outs, 1)
-    assert o.dtype == act_dtype
+    assert o.dtype == act_dtype and state.dtype == state_dtype
     assert torch.count_nonzero(o[~live]) == 0
     assert rel_err(o[live], ref_o) < tol
     assert rel_err(state[slots[live]], ref_s) < max(tol, 1e-6 if act_dtype != torch.float64 else tol)

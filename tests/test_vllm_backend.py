@@ -327,7 +327,8 @@ def engine_config(layer_types, max_num_seqs=1024, **cache):
     config = SSEConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=len(layer_types),
                        layer_types=layer_types, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        sse_num_partitions=4, sse_top_k=1, sse_lora_rank=64)
-    cache = {**dict(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9), **cache}
+    cache = {**dict(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
+                    mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"), **cache}
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
                            cache_config=SimpleNamespace(**cache),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1),
@@ -366,10 +367,29 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     hook.SSEEngineConfig.verify_and_update_config(transformer)
     assert transformer.scheduler_config.max_num_seqs == 1024
 
+    half = engine_config(layers * 4, mamba_ssm_cache_dtype="bfloat16")  # bfloat16 states: twice the sequences
+    hook.SSEEngineConfig.verify_and_update_config(half)
+    assert half.scheduler_config.max_num_seqs == int(budget) // (state // 2) // 2
+
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
     cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs
     hook.SSEEngineConfig.verify_and_update_config(cpu)
     assert cpu.scheduler_config.max_num_seqs == 1024
+
+
+@pytest.mark.parametrize("ssm, cache, dtype", [
+    ("auto", "auto", torch.float32), ("bfloat16", "auto", torch.bfloat16), ("auto", "bfloat16", torch.bfloat16),
+    ("float32", "bfloat16", torch.float32), ("float16", "auto", None), ("auto", "fp8", None)])
+def test_state_dtype_follows_vllms_recurrent_state_knobs(ssm, cache, dtype):
+    from types import SimpleNamespace
+
+    from sse_model.vllm_engine_config import state_dtype
+    config = SimpleNamespace(mamba_ssm_cache_dtype=ssm, mamba_cache_dtype=cache)
+    if dtype is None:
+        with pytest.raises(ValueError, match="SSE states support mamba_ssm_cache_dtype"):
+            state_dtype(config)
+    else:
+        assert state_dtype(config) == dtype
 
 
 def test_plugin_entry_point_and_idempotent_registration(worker):

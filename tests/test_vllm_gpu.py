@@ -151,25 +151,24 @@ def test_default_engine_starts_with_full_decode_graphs(engine):
     save_results()
 
 
-def test_greedy_and_prompt_logprobs_match_hf(engine, hf, checkpoint):
-    outs = greedy(engine, checkpoint[1])
+def greedy_logprob_diffs(llm, hf, prompts) -> dict:
+    """|logprob vLLM - logprob HF| over the prompt tokens and greedy continuations of `prompts`."""
+    outs = greedy(llm, prompts)
     diffs = []
     for out, ref in zip(outs, hf_logprobs(hf, [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outs])):
         ours = vllm_logprobs(out)
         assert torch.isfinite(ours).all()
         diffs.append((ours - ref).abs())
     d = torch.cat(diffs)
-    RESULTS["greedy_logprob_abs_diff"] = dict(mean=float(d.mean()), max=float(d.max()), tokens=d.numel())
-    save_results()
-    assert float(d.mean()) < 0.02 and float(d.max()) < 1.0, RESULTS["greedy_logprob_abs_diff"]
+    return dict(mean=float(d.mean()), max=float(d.max()), tokens=d.numel())
 
 
-def test_sampled_rollouts_kl_between_sampler_and_trainer(engine, hf, checkpoint):
+def sampled_kl(llm, hf, prompts) -> dict:
     """KL(vLLM || HF) per token on tokens vLLM sampled at temperature 1, 8 rollouts per prompt: the k3
     estimator r - 1 - log r with r = p_HF / p_vLLM (unbiased, never negative), as RL frameworks log it."""
     from vllm import SamplingParams
     params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=128, logprobs=0, seed=0)
-    outs = engine.generate([{"prompt_token_ids": p} for p in checkpoint[1]], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     sequences, sampled = [], []
     for out in outs:
         for c in out.outputs:
@@ -181,10 +180,36 @@ def test_sampled_rollouts_kl_between_sampler_and_trainer(engine, hf, checkpoint)
         log_r = ref[n_prompt - 1:] - ours
         kls.append(log_r.exp() - 1 - log_r)
     k = torch.cat(kls)
-    RESULTS["sampled_kl"] = dict(mean=float(k.mean()), p99=float(k.quantile(0.99)), tokens=k.numel(),
-                                 bar=MAX_KL)
+    return dict(mean=float(k.mean()), p99=float(k.quantile(0.99)), tokens=k.numel(), bar=MAX_KL)
+
+
+def test_greedy_and_prompt_logprobs_match_hf(engine, hf, checkpoint):
+    RESULTS["greedy_logprob_abs_diff"] = d = greedy_logprob_diffs(engine, hf, checkpoint[1])
     save_results()
-    assert math.isfinite(float(k.mean())) and float(k.mean()) < MAX_KL, RESULTS["sampled_kl"]
+    assert d["mean"] < 0.02 and d["max"] < 1.0, d
+
+
+def test_sampled_rollouts_kl_between_sampler_and_trainer(engine, hf, checkpoint):
+    RESULTS["sampled_kl"] = k = sampled_kl(engine, hf, checkpoint[1])
+    save_results()
+    assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL, k
+
+
+def test_bfloat16_states_on_request(engine, checkpoint, hf):
+    """SSE states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; updates stay float32, one rounding per step):
+    the same parity checks as float32 states, side by side. The greedy logprobs must move off the float32 engine's
+    (the setting reached the states) while staying within the bars."""
+    from vllm import LLM
+    llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.2, seed=0, mamba_ssm_cache_dtype="bfloat16")
+    moved = max(float((vllm_logprobs(a) - vllm_logprobs(b)).abs().max())
+                for a, b in zip(greedy(llm, checkpoint[1]), greedy(engine, checkpoint[1])))
+    RESULTS["bf16_states"] = dict(greedy_logprob_abs_diff=greedy_logprob_diffs(llm, hf, checkpoint[1]),
+                                  sampled_kl=sampled_kl(llm, hf, checkpoint[1]), max_moved_vs_float32=moved)
+    save_results()
+    del llm
+    k, d = RESULTS["bf16_states"]["sampled_kl"], RESULTS["bf16_states"]["greedy_logprob_abs_diff"]
+    assert moved > 0, "bfloat16 states gave the float32 engine's logprobs exactly: the setting did not apply"
+    assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL and d["mean"] < 0.02, RESULTS["bf16_states"]
 
 
 def test_identical_requests_never_share_state(engine, checkpoint):

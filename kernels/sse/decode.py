@@ -10,9 +10,11 @@ from kernels.sse.routing import route, softmax_keys
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                      k_shared_logits=None, row_topk=None, scale=None, out=None):
-    """state [num_slots, H, N + shared, c, d_v] (float32, updated in place); q, k_logits, log_decay,
-    q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
-    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given."""
+    """state [num_slots, H, N + shared, c, d_v] (float32, float64, or bfloat16, updated in place); q, k_logits,
+    log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
+    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given. The step is computed
+    in float32 at least (float64 for a float64 state); a bfloat16 state is rounded once, when it is written back,
+    as the Triton kernel does."""
     if out is not None:
         return out.copy_(sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                           q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
@@ -20,7 +22,8 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     B, H, c = q.shape
     N = router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale
-    o = torch.zeros(B, H, v.shape[-1], dtype=state.dtype, device=state.device)
+    compute = torch.promote_types(state.dtype, torch.float32)
+    o = torch.zeros(B, H, v.shape[-1], dtype=compute, device=state.device)
     live = slot_ids >= 0
     if not bool(live.all()):
         rows = live.nonzero().squeeze(1)
@@ -34,7 +37,7 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
         return o.to(v.dtype)
 
     def f(x):
-        return x.to(state.dtype)
+        return x.to(compute)
 
     _, index, topk_weight = route(router_logits, top_k)            # [B, K]
     keys, decay = softmax_keys(f(k_logits), f(log_decay), row_topk)
@@ -47,8 +50,8 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
         q_rows.append(f(q_shared)[:, None]), k_rows.append(keys_s[:, None]), g_rows.append(decay_s[:, None])
     qq, kk, gg = torch.cat(q_rows, 1), torch.cat(k_rows, 1), torch.cat(g_rows, 1)   # [B, P_sel, H, c]
     slots = slot_ids[:, None].expand_as(parts)
-    S = state[slots, :, parts]                                      # [B, P_sel, H, c, d_v]
+    S = f(state[slots, :, parts])                                   # [B, P_sel, H, c, d_v]
     S = gg.exp()[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
-    state[slots, :, parts] = S
+    state[slots, :, parts] = S.to(state.dtype)
     o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
     return o.to(v.dtype)

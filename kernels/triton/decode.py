@@ -20,10 +20,11 @@ from kernels.triton.common import router_softmax, softmax_keys, top1
 
 @triton.jit
 def _update(state_ptr, tile, mask, decay, key, v, q):
-    """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]."""
-    S = tl.load(state_ptr + tile, mask=mask, other=0.0)
+    """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
+    registers whatever the cache's dtype; a bfloat16 cache rounds it once, on the store."""
+    S = tl.load(state_ptr + tile, mask=mask, other=0.0).to(tl.float32)
     S = decay * S + key * v
-    tl.store(state_ptr + tile, S, mask=mask)
+    tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
     return tl.sum(q * S, 0)[None, :]
 
 
@@ -90,16 +91,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None):
-    """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32
-    (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v];
-    router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written into `out`
-    when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
+    """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
+    bfloat16 (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
+    v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
+    into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     Slot ids must be distinct (two programs writing one state would race)."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
-    if state.dtype != torch.float32:
-        raise ValueError(f"the decode state cache must be float32, got {state.dtype}")
+    if state.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the decode state cache must be float32 or bfloat16, got {state.dtype}")
     if state.shape[1:] != (H, N + shared, C, V):
         raise ValueError(f"state must be [num_slots, H, N + shared, c, d_v] = [*, {H}, {N + shared}, {C}, {V}], "
                          f"got {tuple(state.shape)}")
