@@ -1,0 +1,191 @@
+"""The recall comparison of issue 16 (docs/retrieval.md, "Three-way comparison"): MQAR accuracy against the
+number of pairs for the runs of configs/mqar_*.yaml.
+
+    for c in sse_h sse gla transformer sse_dense; do sse-rl run configs/mqar_$c.yaml; done
+    python bench/mqar_compare.py [--runs runs] [--out bench/results] [--tag DATE]
+
+Reads each run's eval `metrics.json` (query accuracy by number of pairs, Zoology's measure, with its 95 %
+bootstrap interval) and `<dataset>.samples.jsonl` (per problem, for paired differences: every model answers
+the same problems), the parameter counts from the run's initial model and the stage times from its manifest.
+Writes bench/results/mqar_compare_<tag>.{png,md,json}: the plot (accuracy vs pairs, 95 % CI error bars, one
+line per model), the tables and, per number of pairs, the paired difference of the comparisons the issue names
+with its 95 % interval (problems resampled with both models' answers together).
+"""
+import argparse
+import datetime
+import json
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval.metrics import paired_change  # noqa: E402
+
+# (label, run name) in the order of the plot's legend and the table.
+MODELS = [("Transformer", "mqar-transformer"), ("SSE-H", "mqar-sse-h"), ("SSE (all layers)", "mqar-sse"),
+          ("SSE-H dense (K = N)", "mqar-sse-dense"), ("GLA", "mqar-gla")]
+# Paired differences reported per number of pairs: (a, b) gives a - b.
+COMPARISONS = [("Transformer", "SSE-H"), ("SSE-H", "GLA"), ("SSE (all layers)", "GLA"),
+               ("SSE-H", "SSE-H dense (K = N)")]
+
+
+def eval_dir(run_dir: Path) -> Path:
+    """The folder of the run's eval metrics: eval/ for `eval.models: [last]`, else the one model's folder."""
+    found = sorted((run_dir / "eval").glob("**/metrics.json"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{run_dir}: expected one eval metrics.json, found {len(found)}")
+    return found[0].parent
+
+
+def parameter_counts(model_dir: Path) -> dict | None:
+    """{total, non_embedding} of the model saved at `model_dir` (built from its config, no weights read)."""
+    if not (model_dir / "config.json").exists():
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import sse_model  # noqa: F401
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    total = sum(p.numel() for p in model.parameters())
+    return {"total": total, "non_embedding": total - model.get_input_embeddings().weight.numel()}
+
+
+def stage_seconds(run_dir: Path) -> dict:
+    """{stage: seconds} from the run's stage results (result.json of each stage), where recorded."""
+    out = {}
+    for path in sorted(run_dir.glob("*/result.json")):
+        seconds = json.loads(path.read_text()).get("seconds")
+        if seconds is not None:
+            out[path.parent.name] = seconds
+    return out
+
+
+def load_run(run_dir: Path) -> dict:
+    """One run: its query accuracy by number of pairs (metrics.json), per-problem query accuracy and number of
+    pairs (samples file), parameter counts and stage times."""
+    out_dir = eval_dir(run_dir)
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    if len(metrics) != 1:
+        raise ValueError(f"{out_dir}: expected one dataset, found {sorted(metrics)}")
+    (dataset, m), = metrics.items()
+    samples = defaultdict(list)
+    for line in (out_dir / f"{dataset}.samples.jsonl").read_text().splitlines():
+        if line.strip():
+            s = json.loads(line)
+            samples[s["id"]].append(s)
+    problems = {pid: {"num_pairs": ss[0]["num_pairs"],
+                      "query_accuracy": sum(sum(s["query_correct"]) / len(s["query_correct"]) for s in ss) / len(ss)}
+                for pid, ss in samples.items()}
+    return {"run": run_dir.name, "dataset": dataset,
+            "query_accuracy": m["query_accuracy"], "query_accuracy_ci95": m["query_accuracy_ci95"],
+            "by_num_pairs": [{"num_pairs": g["num_pairs"], "num_problems": g["num_problems"],
+                              "accuracy": g["accuracy"], "ci95": g["ci95"]}
+                             for g in m["query_accuracy_by_num_pairs"]],
+            "problems": problems, "parameters": parameter_counts(run_dir / "init" / "model"),
+            "seconds": stage_seconds(run_dir)}
+
+
+def differences(runs: dict) -> list[dict]:
+    """Per comparison (a, b) and number of pairs: mean of a - b over the shared problems with its paired 95 %
+    interval, and whether the interval excludes 0."""
+    out = []
+    for a, b in COMPARISONS:
+        if a not in runs or b not in runs:
+            continue
+        pa, pb = runs[a]["problems"], runs[b]["problems"]
+        shared = sorted(set(pa) & set(pb))
+        for pairs in sorted({pa[i]["num_pairs"] for i in shared}):
+            ids = [i for i in shared if pa[i]["num_pairs"] == pairs]
+            c = paired_change([pb[i]["query_accuracy"] for i in ids], [pa[i]["query_accuracy"] for i in ids])
+            low, high = c["change_ci95"]
+            out.append({"a": a, "b": b, "num_pairs": pairs, "num_problems": len(ids), "difference": c["change"],
+                        "ci95": [low, high], "verdict": "a > b" if low > 0 else "a < b" if high < 0 else "overlap"})
+    return out
+
+
+def markdown(runs: dict, diffs: list[dict], meta: dict) -> str:
+    pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
+    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
+    lines = [f"# MQAR comparison, {meta['date']}", "",
+             f"Dataset `{next(iter(runs.values()))['dataset']}`; query accuracy in % (Zoology's measure; here "
+             "one query per sample, so the same as exact accuracy) with the 95 % bootstrap interval over problems. "
+             f"Machine: {meta['machine']}.", "",
+             "| model | run | parameters (non-embedding) | SFT s | eval s | all | "
+             + " | ".join(f"{p} pairs" for p in pairs) + " |",
+             "| --- " * (6 + len(pairs)) + "|"]
+    for label, r in runs.items():
+        by = {g["num_pairs"]: g for g in r["by_num_pairs"]}
+        params = r["parameters"]
+        cells = [f"{pct(by[p]['accuracy'])} ({pct(by[p]['ci95'][0])}-{pct(by[p]['ci95'][1])})" if p in by else ""
+                 for p in pairs]
+        low, high = r["query_accuracy_ci95"]
+        lines.append(f"| {label} | {r['run']} | "
+                     + (f"{params['total']:,} ({params['non_embedding']:,})" if params else "") + " | "
+                     + " | ".join(f"{r['seconds'][s]:.0f}" if s in r["seconds"] else "" for s in ("sft", "eval"))
+                     + f" | {pct(r['query_accuracy'])} ({pct(low)}-{pct(high)}) | " + " | ".join(cells) + " |")
+    if diffs:
+        lines += ["", "Paired differences (a - b, points of %, same problems, 95 % interval resampling problems):", "",
+                  "| a | b | pairs | problems | a - b (95 % CI) | outside the CI |", "| --- " * 6 + "|"]
+        for d in diffs:
+            lines.append(f"| {d['a']} | {d['b']} | {d['num_pairs']} | {d['num_problems']} | "
+                         f"{100 * d['difference']:+.1f} ({100 * d['ci95'][0]:+.1f} to {100 * d['ci95'][1]:+.1f}) | "
+                         f"{d['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    n = len(runs)
+    for i, (label, r) in enumerate(runs.items()):
+        by = r["by_num_pairs"]
+        x = [g["num_pairs"] * (1 + 0.025 * (i - (n - 1) / 2)) for g in by]  # spread the bars a little
+        y = [100 * g["accuracy"] for g in by]
+        err = [[100 * (g["accuracy"] - g["ci95"][0]) for g in by], [100 * (g["ci95"][1] - g["accuracy"]) for g in by]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
+    pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
+    ax.set_xticks(pairs)
+    ax.set_xlabel("key-value pairs in the context")
+    ax.set_ylabel("query accuracy, % (95 % CI)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=str(ROOT / "runs"), help="the runs' parent folder")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--tag", default=datetime.date.today().isoformat(), help="file name suffix")
+    args = parser.parse_args(argv)
+    runs = {label: load_run(Path(args.runs) / name) for label, name in MODELS if (Path(args.runs) / name).exists()}
+    if not runs:
+        raise SystemExit(f"no runs of configs/mqar_*.yaml under {args.runs}")
+    diffs = differences(runs)
+    meta = {"date": args.tag, "machine": f"{platform.machine()}, {platform.processor() or platform.system()}"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"mqar_compare_{args.tag}"
+    dataset = next(iter(runs.values()))["dataset"]
+    plot(runs, stem.with_suffix(".png"), f"MQAR ({dataset}), tiny models of matched size, SFT on CPU")
+    text = markdown(runs, diffs, meta)
+    stem.with_suffix(".md").write_text(text)
+    result = {**meta, "runs": {label: {k: v for k, v in r.items() if k != "problems"} for label, r in runs.items()},
+              "differences": diffs}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
