@@ -161,6 +161,10 @@ class VLLMSettings:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout engine dtype; "auto": the checkpoint's
+    # vLLM's enforce_eager, for the GRPO and eval engines: no torch.compile (nor CUDA graphs). On the CPU build
+    # each engine start compiles the model with inductor (~22 s on 2 cores with a warm inductor cache, ~60 s
+    # cold; vLLM's AOT cache fails to load it back), and the tiny model decodes no faster compiled.
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

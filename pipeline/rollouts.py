@@ -57,4 +57,4 @@ def engine_kwargs(cfg, model_path: str) -> dict:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)  # the CPU build sizes its cache from this
     return dict(model=model_path, dtype=v.dtype, seed=cfg.seed, gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
-                enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=1)
+                enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1)

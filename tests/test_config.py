@@ -226,3 +226,24 @@ def test_stage_cpu_threads():
     finally:
         torch.set_num_threads(before)
     assert load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml").resources.sft.num_threads == 2
+
+
+def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tmp_path):
+    """grpo.vllm.enforce_eager (off by default: vLLM's own default) goes to the GRPO engine's arguments and to
+    each eval engine."""
+    import pipeline.stages.evaluate as evaluate
+    from pipeline.rollouts import engine_kwargs
+    from pipeline.rundir import RunDir
+
+    tiny = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    assert engine_kwargs(load_config(tiny), "m")["enforce_eager"] is False
+    cfg = load_config(tiny, ["grpo.vllm.enforce_eager=true", "eval.models=[last]", "eval.state_problems=0"])
+    assert engine_kwargs(cfg, "m")["enforce_eager"] is True
+    built = []
+    monkeypatch.setattr(evaluate, "build_llm", lambda path, **kwargs: built.append(kwargs))
+    monkeypatch.setattr(evaluate, "evaluate", lambda engine, *a, **k: engine() or {})
+    monkeypatch.setattr(evaluate, "changes", lambda *a, **k: {})
+    run = RunDir(tmp_path / "run")
+    run.create()
+    evaluate.run(cfg, run, "model")
+    assert [kwargs["enforce_eager"] for kwargs in built] == [True]

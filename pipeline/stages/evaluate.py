@@ -22,7 +22,8 @@ def run(cfg, run_dir, model_path) -> dict:
     scores, dirs = {}, {}
     for label, path in models_to_score(cfg, run_dir, model_path).items():
         def engine(path=path):
-            return build_llm(path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization)
+            return build_llm(path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
+                             enforce_eager=v.enforce_eager)
 
         def progress(name, done, total, label=label):
             run_dir.write_progress("eval", done=done, total=total, unit="problem", what=f"{label} {name}")
