@@ -46,10 +46,10 @@ def fake_run(root: Path, name: str, correct: dict[int, list[bool]]) -> None:
 
     out = root / name / "eval" / "sft"
     out.mkdir(parents=True)
-    samples = [{"id": f"p{pairs}-{i}", "sample": 0, "correct": ok, "num_pairs": pairs, "context_length": 48,
+    samples = [{"id": f"p{pairs}-{i}", "sample": 0, "correct": ok, "num_pairs": pairs, "context_length": 26,
                 "task": "mqar", "query_correct": [ok]} for pairs, oks in correct.items() for i, ok in enumerate(oks)]
-    (out / "mqar-48.samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    (out / "metrics.json").write_text(json.dumps({"mqar-48": recall_metrics([[s] for s in samples])}))
+    (out / "mqar-2-12.samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (out / "metrics.json").write_text(json.dumps({"mqar-2-12": recall_metrics([[s] for s in samples])}))
     (root / name / "sft").mkdir()
     (root / name / "sft" / "result.json").write_text(json.dumps({"status": "done", "seconds": 12.5}))
 
