@@ -229,15 +229,17 @@ def test_stage_cpu_threads():
 
 
 def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tmp_path):
-    """grpo.vllm.enforce_eager (off by default: vLLM's own default) goes to the GRPO engine's arguments and to
-    each eval engine."""
+    """grpo.vllm.enforce_eager (off by default: vLLM's own default; on in the tiny config) goes to the GRPO
+    engine's arguments and to each eval engine."""
     import pipeline.stages.evaluate as evaluate
+    from pipeline.config import VLLMSettings
     from pipeline.rollouts import engine_kwargs
     from pipeline.rundir import RunDir
 
     tiny = Path(__file__).parents[1] / "configs" / "tiny.yaml"
-    assert engine_kwargs(load_config(tiny), "m")["enforce_eager"] is False
-    cfg = load_config(tiny, ["grpo.vllm.enforce_eager=true", "eval.models=[last]", "eval.state_problems=0"])
+    assert VLLMSettings().enforce_eager is False
+    assert engine_kwargs(load_config(tiny, ["grpo.vllm.enforce_eager=false"]), "m")["enforce_eager"] is False
+    cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0"])
     assert engine_kwargs(cfg, "m")["enforce_eager"] is True
     built = []
     monkeypatch.setattr(evaluate, "build_llm", lambda path, **kwargs: built.append(kwargs))
