@@ -168,7 +168,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--tag", default=datetime.date.today().isoformat(), help="file name suffix")
     args = parser.parse_args(argv)
-    runs = {label: load_run(Path(args.runs) / name) for label, name in MODELS if (Path(args.runs) / name).exists()}
+    runs = {}
+    for label, name in MODELS:
+        run_dir = Path(args.runs) / name
+        if not list(run_dir.glob("eval/**/metrics.json")):  # not run, or its eval stage has not finished
+            print(f"{run_dir}: no eval results, left out", file=sys.stderr)
+            continue
+        runs[label] = load_run(run_dir)
     if not runs:
         raise SystemExit(f"no runs of configs/mqar_*.yaml under {args.runs}")
     diffs = differences(runs)

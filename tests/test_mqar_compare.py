@@ -59,8 +59,9 @@ def test_compare_writes_table_differences_and_plot(tmp_path):
     fake_run(runs, "mqar-transformer", {4: [True] * 40, 16: [True] * 40})
     fake_run(runs, "mqar-sse-h", {4: [True] * 40, 16: [True] * 20 + [False] * 20})
     fake_run(runs, "mqar-gla", {4: [True] * 39 + [False], 16: [False] * 40})
+    (runs / "mqar-sse").mkdir()  # a run whose eval stage has not finished
     result = mqar_compare.main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--tag", "t"])
-    assert list(result["runs"]) == ["Transformer", "SSE-H", "GLA"]  # absent runs are left out
+    assert list(result["runs"]) == ["Transformer", "SSE-H", "GLA"]  # absent and unfinished runs are left out
     sse = result["runs"]["SSE-H"]
     assert [(g["num_pairs"], g["accuracy"]) for g in sse["by_num_pairs"]] == [(4, 1.0), (16, 0.5)]
     assert sse["seconds"] == {"sft": 12.5} and sse["parameters"] is None
