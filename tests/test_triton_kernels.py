@@ -306,13 +306,14 @@ def test_decode_small_cases(device, dv, N, K, shared, row_topk, dtype, strided):
 
 
 @pytest.mark.parametrize("row_topk", [None, 16], ids=["dense", "r16"])
-@pytest.mark.parametrize("dtype, state_dtype", [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16)],
+@pytest.mark.parametrize("dtype, state_dtype", [(F32, F32), (BF16, F32), (F16, F32), (F32, BF16)],
                          ids=["f32", "bf16", "f16", "bf16-state"])
 @pytest.mark.parametrize("N, K", [(4, 1), (8, 2)], ids=["n4k1", "n8k2"])
 def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     """A batch of 8 with two skipped rows (slot -1) on a cache of 32 slots, at the device's shapes. A bfloat16
-    cache (vLLM's mamba_ssm_cache_dtype) holds states exact in bfloat16, so the only new error is the one rounding
-    of each updated state, which the torch twin makes too."""
+    cache (vLLM's mamba_ssm_cache_dtype) holds states exact in bfloat16 and gets float32 inputs (bf16 ties among
+    key logits could pick other rows under row_topk), so the only new error is the one rounding of each updated
+    state, which the torch twin makes too."""
     from kernels.sse import sse_decode_torch, sse_reference
     from kernels.triton import sse_decode_triton
     H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
@@ -329,13 +330,16 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     untouched[slots[live]] = False
     errors = {"o": rel_err(o[live], ref_o[:, 0]), "state": rel_err(cache[slots[live]].float(), ref_state)}
     print({n: f"{e:.1e}" for n, e in errors.items()})
-    assert max(errors.values()) < {F32: 1e-5, BF16: 3e-2, F16: 1e-2}[dtype], errors
-    if state_dtype == BF16:  # kernel and twin round the same float32 update (and output): a last bit apart at most
+    assert max(errors.values()) < ({F32: 1e-5, BF16: 3e-2, F16: 1e-2}[dtype] if state_dtype == F32 else 1e-2), errors
+    if state_dtype == BF16:
+        # Kernel and twin round the same float32 update: one bf16 ulp apart at most, plus float32 slack (GPU exp and
+        # fused multiply-adds differ in the last float32 bits; an update that nearly cancels keeps that error).
         twin = state.to(BF16)
         twin_o = sse_decode_torch(twin, slots, **step, top_k=K, row_topk=row_topk)
         for ours, theirs in ((cache, twin), (o, twin_o)):
             ours, theirs = ours.float(), theirs.float()
-            assert bool(((ours - theirs).abs() <= 2**-7 * torch.maximum(ours.abs(), theirs.abs())).all())
+            bound = 2**-7 * torch.maximum(ours.abs(), theirs.abs()) + 1e-5
+            assert bool(((ours - theirs).abs() <= bound).all()), float(((ours - theirs).abs() - bound).max())
         assert cache.dtype == BF16
     assert bool((o[~live] == 0).all()), "skipped rows must give zeros"
     assert torch.equal(cache[untouched], state[untouched]), "slots outside the batch changed"
