@@ -54,12 +54,32 @@ class StageCallback(TrainerCallback):
         if not (state.is_world_process_zero and logs):
             return
         clean = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        clean.update(gpu_memory() | update_time(clean))
         if self._count:
             clean["balance_loss"] = self._balance / self._count
             for layer, row in enumerate((self._usage / self._count).tolist()):
                 clean.update({f"partition_usage/{layer}/{p}": round(u, 4) for p, u in enumerate(row)})
             self._usage, self._balance, self._count = 0.0, 0.0, 0
         self.run.log_metrics(self.stage, state.global_step, clean)
+
+
+def gpu_memory() -> dict:
+    """Peak GPU memory allocated by this process since the last log (GiB): on one GPU the trainer's and the colocated
+    vLLM engine's together (vLLM allocates its cache through torch). Empty without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"gpu_memory/peak_allocated_gib": peak, "gpu_memory/reserved_gib": torch.cuda.memory_reserved() / 2**30}
+
+
+def update_time(logs: dict) -> dict:
+    """GRPO: the part of TRL's `step_time` (the step's training_step calls) left after the rollout, the scoring and
+    the weight push: the policy's forward and backward passes, TRL's log-probability passes included."""
+    phases = ("time/rollout_s", "time/scoring_s", "time/weight_push_s")
+    if "step_time" not in logs or not all(p in logs for p in phases[:2]):
+        return {}
+    return {"time/update_s": logs["step_time"] - sum(logs.get(p, 0.0) for p in phases)}
 
 
 def resume_checkpoint(run: RunDir, stage: str) -> Path | None:

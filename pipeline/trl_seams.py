@@ -13,14 +13,17 @@ Seams (stage in brackets), and what each relies on:
   checkpoints do not keep.
 - `OwnRolloutEngineMixin` [grpo]: `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when
   `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`;
-  its sampling attributes (`temperature`, `top_p`, ...).
+  its sampling attributes (`temperature`, `top_p`, ...); it scores a generation batch with one
+  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` call (timed as `time/scoring_s`).
 - `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
-  `self.llm`; the trainer calls `sync_weights()` when the step changed.
+  `self.llm` and returns `(prompt_ids, completion_ids, ...)`; the trainer calls `sync_weights()` when the step
+  changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`).
 - `log_train_metric` [grpo]: `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log.
 - `mark_weights_loaded` [grpo, periodic eval]: `GRPOTrainer._last_loaded_step`.
 """
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -142,22 +145,29 @@ class OwnRolloutEngineMixin:
         args.use_vllm = self.use_vllm = True
         self.vllm_generation = SSEVLLMGeneration(
             engine_kwargs=engine, seed_base=self.rollout_seed_base, parity_ids=parity_ids,
-            parity_threshold=parity_threshold, on_parity=lambda drift: log_train_metric(self, "vllm_parity", drift),
+            parity_threshold=parity_threshold, log=lambda name, value: log_train_metric(self, name, value),
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
             max_num_seqs=engine.get("max_num_seqs"), repetition_penalty=self.repetition_penalty,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
         mark_weights_loaded(self, -1)  # TRL's tag: the first rollout pushes the weights
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        started = time.perf_counter()
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        log_train_metric(self, "time/scoring_s", time.perf_counter() - started)
+        return rewards
+
 
 class SSEVLLMGeneration(VLLMGeneration):
     """TRL's colocated generation with the pipeline's engine (pipeline/rollouts.py): seeded requests, and weights
-    pushed through vLLM's layerwise reload with a parity probe after each push."""
+    pushed through vLLM's layerwise reload with a parity probe after each push. `log(name, value)` gets the parity
+    and the time of each rollout and push."""
 
     def __init__(self, *, engine_kwargs: dict, seed_base, parity_ids: list[int], parity_threshold: float,
-                 on_parity, **kwargs):
+                 log, **kwargs):
         self.engine_kwargs, self.seed_base = engine_kwargs, seed_base
-        self.parity_ids, self.parity_threshold, self.on_parity = parity_ids, parity_threshold, on_parity
+        self.parity_ids, self.parity_threshold, self.log = parity_ids, parity_threshold, log
         super().__init__(mode="colocate", **kwargs)
 
     def _init_vllm(self):
@@ -175,9 +185,19 @@ class SSEVLLMGeneration(VLLMGeneration):
         self._llm_weights_sleeping = False
         self.accelerator.wait_for_everyone()
 
+    def generate(self, prompts, *args, **kwargs):
+        started = time.perf_counter()
+        out = super().generate(prompts, *args, **kwargs)
+        seconds = time.perf_counter() - started
+        self.log("time/rollout_s", seconds)
+        self.log("rollout_tokens_per_s", sum(map(len, out[1])) / seconds)
+        return out
+
     def sync_weights(self):
+        started = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        self.on_parity(push_and_check(self.engine, model, self.parity_ids, self.parity_threshold))
+        self.log("vllm_parity", push_and_check(self.engine, model, self.parity_ids, self.parity_threshold))
+        self.log("time/weight_push_s", time.perf_counter() - started)
 
 
 def log_train_metric(trainer, name: str, value: float) -> None:

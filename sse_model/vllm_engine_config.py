@@ -4,8 +4,8 @@ State dtype. The SSE states are float32 unless the user asks for bfloat16 with v
 states, `mamba_ssm_cache_dtype` (or `mamba_cache_dtype`), as for vLLM's KDA layers (Kimi Linear), whose "auto"
 is float32 too. bfloat16 halves the state bytes a decode step reads and writes (what bounds decode speed) and
 doubles the sequences that fit, but a row whose decay is close to 1 loses updates smaller than its state's last
-bit: measured drift of the SSE output over 4k steps (docs/vllm-backend.md) is 0.5 % for typical gates and 13 %
-for long-memory rows, where float32 stays below 1e-6.
+bit: over 4k decode steps the SSE output is off by 0.5 % with typical gates and by 8-14 % with long-memory gates,
+where float32 stays below 1e-6 (bench/state_dtype_drift.py).
 
 max_num_seqs.
 vLLM runs decode batches in full CUDA graphs, which need one state slot per sequence of `max_num_seqs`, and it

@@ -56,6 +56,11 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert m["vllm_parity"] < 0.05, "vLLM scores a fixed sequence differently from the trainer after a push"
         assert m["completions/mean_length"] > 0
         assert any(k.startswith("partition_usage/") for k in m)
+        # a step's time split into its phases (pipeline/trl_seams.py, pipeline/training.update_time): each timed
+        # phase lies inside TRL's step_time, so what is left for the update is positive
+        phases = ("time/rollout_s", "time/scoring_s", "time/weight_push_s", "time/update_s")
+        assert all(m[p] > 0 for p in phases), m
+        assert m["rollout_tokens_per_s"] > 0
 
     for model in ("init", "sft", "grpo"):  # the tiny config compares untrained, SFT and GRPO models
         results = json.loads((run / "eval" / model / "metrics.json").read_text())

@@ -76,6 +76,10 @@ def test_own_rollout_engine_seam():
     trainer = source(GRPOTrainer)
     assert "self.state.global_step != self._last_loaded_step" in trainer
     assert "self.vllm_generation.sync_weights()" in trainer and "self.vllm_generation.generate(" in trainer
+    # the scoring of a generation batch, timed by the mixin: one call with these arguments
+    assert parameters(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions",
+                                                           "completion_ids_list"]
+    assert trainer.count("self._calculate_rewards(inputs, prompts, completions, completion_ids_list)") == 1
 
 
 def test_vllm_generation_seam():
@@ -88,6 +92,8 @@ def test_vllm_generation_seam():
     assert "self.llm.generate(" in source(VLLMGeneration)
     assert "_llm_weights_sleeping" in source(VLLMGeneration)
     assert parameters(VLLMGeneration.sync_weights) == ["self"]
+    # generate() returns (prompt_ids, completion_ids, ...): the rollout timer counts completion_ids' tokens
+    assert "return prompt_ids, completion_ids, " in source(VLLMGeneration.generate)
     from trl.trainer.utils import ensure_master_addr_port
 
     assert callable(ensure_master_addr_port)
