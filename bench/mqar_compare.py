@@ -136,7 +136,8 @@ def markdown(runs: dict, diffs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict, path: Path, title: str) -> None:
+def plot(runs: dict, path: Path, title: str, values: int | None = None) -> None:
+    """The plot; `values`: the task's number of value codes, for the chance lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -150,6 +151,10 @@ def plot(runs: dict, path: Path, title: str) -> None:
         err = [[100 * (g["accuracy"] - g["ci95"][0]) for g in by], [100 * (g["ci95"][1] - g["accuracy"]) for g in by]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
     pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
+    if values:  # chance levels: any value of the vocabulary; a value of the context (1 / pairs)
+        ax.axhline(100 / values, color="grey", linestyle="--", linewidth=1, label=f"chance (1/{values} values)")
+        ax.plot(pairs, [100 / p for p in pairs], color="grey", linestyle=":", linewidth=1,
+                label="a random value of the context (1/pairs)")
     ax.set_xticks(pairs)
     ax.set_xlabel("key-value pairs in the context")
     ax.set_ylabel("query accuracy, % (95 % CI)")
@@ -166,6 +171,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=str(ROOT / "runs"), help="the runs' parent folder")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--values", type=int, default=16, help="value codes of the task (vocab_size / 2), for "
+                        "the plot's chance lines; 0: none")
     parser.add_argument("--tag", default=datetime.date.today().isoformat(), help="file name suffix")
     args = parser.parse_args(argv)
     runs = {}
@@ -183,7 +190,8 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"mqar_compare_{args.tag}"
     dataset = next(iter(runs.values()))["dataset"]
-    plot(runs, stem.with_suffix(".png"), f"MQAR ({dataset}), tiny models of matched size, SFT on CPU")
+    plot(runs, stem.with_suffix(".png"), f"MQAR ({dataset}), tiny models of matched size, SFT on CPU",
+         values=args.values)
     text = markdown(runs, diffs, meta)
     stem.with_suffix(".md").write_text(text)
     result = {**meta, "runs": {label: {k: v for k, v in r.items() if k != "problems"} for label, r in runs.items()},
