@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = REPO / "tests" / "reliability.yaml"
 TAG = "SSE_RL_TEST_TAG"
-# Per-attempt numbers: wall-clock times, and the Trainer's `train_loss`, the mean loss of the steps run by the
-# last `train()` call (after a resume, only the steps since the checkpoint).
+# Per-attempt numbers: wall-clock times (GRPO's phase times `time/...` and rollout speed too), and the Trainer's
+# `train_loss`, the mean loss of the steps run by the last `train()` call (after a resume, only the steps since the
+# checkpoint).
 PER_ATTEMPT = {"time", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second",
-               "train_loss"}
+               "train_loss", "rollout_tokens_per_s"}
 
 
 # ---------------------------------------------------------------------------------------------------- processes
@@ -157,7 +158,7 @@ def latest(run: Path, stage: str) -> str | None:
 
 def metric_rows(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in PER_ATTEMPT} for row in rows]
+    return [{k: v for k, v in row.items() if k not in PER_ATTEMPT and not k.startswith("time/")} for row in rows]
 
 
 def same(a, b) -> bool:
