@@ -31,9 +31,10 @@ def outputs(state_dtype, steps: int, gate_mean: float) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     state = torch.zeros(1, H, N + 1, C, DV, dtype=state_dtype)
     slots, outs = torch.tensor([0]), []
+
+    def draw(*shape, scale=1.0, mean=0.0):
+        return torch.randn(1, *shape, generator=g) * scale + mean
     for _ in range(steps):
-        def draw(*shape, scale=1.0, mean=0.0):
-            return torch.randn(1, *shape, generator=g) * scale + mean
         step = dict(q=draw(H, C), k_logits=draw(H, C, scale=2.0), v=draw(H, DV), router_logits=draw(N),
                     log_decay=F.logsigmoid(draw(H, C, mean=gate_mean)) / 16, q_shared=draw(H, C),
                     k_shared_logits=draw(H, C, scale=2.0))

@@ -50,11 +50,16 @@ def push_and_check(engine, model, parity_ids: list[int], threshold: float) -> fl
     return drift
 
 
+def set_cpu_kv_cache(v) -> None:
+    """Before an engine starts in this process: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB),
+    not from an LLM argument, so `grpo.vllm.kv_cache_gib` goes into the environment."""
+    if v.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
+
+
 def engine_kwargs(cfg, model_path: str) -> dict:
     """`vllm.LLM` arguments for the colocated rollout engine."""
     v, g = cfg.grpo.vllm, cfg.grpo
-    if v.kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)  # the CPU build sizes its cache from this
     return dict(model=model_path, dtype=v.dtype, seed=cfg.seed, gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
                 enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1)

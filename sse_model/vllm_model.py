@@ -189,10 +189,10 @@ class SSEStates(nn.Module, MambaBase):
 
     def __init__(self, shape: tuple[int, ...], prefix: str):
         super().__init__()
-        self.state_shape = shape
-        self.state_dtype = state_dtype(get_current_vllm_config().cache_config)
+        vllm_config = get_current_vllm_config()
+        self.state_shape, self.state_dtype = shape, state_dtype(vllm_config.cache_config)
         # Mamba-like layers are not registered by vLLM itself; without this entry the layers get no state.
-        context = get_current_vllm_config().compilation_config.static_forward_context
+        context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self

@@ -237,9 +237,10 @@ def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tm
     from pipeline.rundir import RunDir
 
     tiny = Path(__file__).parents[1] / "configs" / "tiny.yaml"
-    # engine_kwargs sets the CPU build's cache size in os.environ; restored after the test, or every vLLM engine
-    # started later in this process (tests/test_vllm_backend.py's worker) gets the tiny config's cache size
+    # evaluate.run sets the process environment for its in-process engines; restored after the test, or every
+    # vLLM engine started later from this process (tests/test_vllm_backend.py's worker) gets the tiny config's cache
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert VLLMSettings().enforce_eager is False
     assert engine_kwargs(load_config(tiny, ["grpo.vllm.enforce_eager=false"]), "m")["enforce_eager"] is False
     cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0"])

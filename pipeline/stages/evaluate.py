@@ -6,6 +6,7 @@ import os
 from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
 from eval.state import state_report
+from pipeline.rollouts import set_cpu_kv_cache
 
 
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
@@ -16,8 +17,7 @@ def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
 def run(cfg, run_dir, model_path) -> dict:
     e, v = cfg.eval, cfg.grpo.vllm
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts in seconds
-    if v.kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
+    set_cpu_kv_cache(v)
     headline = f"avg@{e.n}"
     scores, dirs = {}, {}
     for label, path in models_to_score(cfg, run_dir, model_path).items():

@@ -12,7 +12,7 @@ import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
 from pipeline.data.prompts import prompt_token_ids
 from pipeline.faults import fault_point
-from pipeline.rollouts import engine_kwargs
+from pipeline.rollouts import engine_kwargs, set_cpu_kv_cache
 from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
 from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
 
@@ -69,6 +69,7 @@ def run(cfg, run_dir, model_path) -> dict:
     callbacks = [StageCallback(run_dir, "grpo", model)]
     if g.eval_every:
         callbacks.append(PeriodicEval(cfg, run_dir, g.eval_every))
+    set_cpu_kv_cache(g.vllm)
     trainer = SSEGRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset,
                              processing_class=tokenizer, callbacks=callbacks,
                              engine=engine_kwargs(cfg, model_path), parity_ids=parity_ids,
