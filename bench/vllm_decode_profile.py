@@ -1,10 +1,13 @@
 """Where one decode step of a rollout batch goes, in vLLM with its default compiled engine (CUDA graphs on).
 
-    python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--shape small|1b] [--batch 256] [--out DIR]
+    python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--shape small|1b] [--batch 256]
+                                        [--state-dtype auto|bfloat16] [--out DIR]
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch.profiler sees its kernels. It prints
-(1) the decode step time, from two runs that differ only in their number of new tokens, and (2) the GPU time per
-kernel over 32 decode steps, sorted, with the share of each; the same tables go to DIR.
+(1) the decode step's wall time, from two runs that differ only in their number of new tokens, and (2) the GPU
+time per kernel and decode step, from the profiles of two runs that differ by 32 decode steps (so the prefill
+drops out), sorted, with the share of each and the GPU's share of the wall time; the same tables go to DIR.
+`--state-dtype bfloat16` stores SSE-H's states in bfloat16.
 """
 import argparse
 import os
@@ -17,12 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def decode_kernel_alone(batch, H=8, N=4, c=128, dv=128) -> str:
-    """kernels.sse_decode by itself on a state cache like vLLM's (bf16 inputs, float32 states), CUDA-graph replay."""
+def decode_kernel_alone(batch, H=8, N=4, c=128, dv=128, state_dtype=torch.float32) -> str:
+    """kernels.sse_decode by itself on a state cache like vLLM's (bf16 inputs), CUDA-graph replay."""
     import triton
 
     import kernels
-    state = torch.zeros(4 * batch, H, N + 1, c, dv, device="cuda")
+    state = torch.zeros(4 * batch, H, N + 1, c, dv, device="cuda", dtype=state_dtype)
     slots = torch.randperm(4 * batch, device="cuda")[:batch]
     x = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
          for name in ("q", "k_logits", "q_shared", "k_shared_logits")}
@@ -37,9 +40,18 @@ def decode_kernel_alone(batch, H=8, N=4, c=128, dv=128) -> str:
     with torch.cuda.graph(graph):
         step()
     ms = triton.testing.do_bench(graph.replay)
-    moved = 2 * batch * H * 2 * c * dv * 4  # K + shared partitions, read and written, float32
-    return (f"sse_decode alone, batch {batch}, H {H}, N {N}, c = d_v = {c}: {ms * 1e3:.1f} us per layer, "
-            f"{moved / ms / 1e6:.0f} GB/s of state traffic")
+    moved = 2 * batch * H * 2 * c * dv * state.element_size()  # K + shared partitions, read and written
+    return (f"sse_decode alone, batch {batch}, H {H}, N {N}, c = d_v = {c}, {state_dtype} states: "
+            f"{ms * 1e3:.1f} us per layer, {moved / ms / 1e6:.0f} GB/s of state traffic")
+
+
+def kernel_times(llm_run, new_tokens) -> dict[str, tuple[int, float]]:
+    """GPU time (ms) and calls per kernel over one generate call."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm_run(new_tokens)
+    return {e.key: (e.count, e.device_time_total / 1e3) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"}
 
 
 def main():
@@ -47,6 +59,7 @@ def main():
     p.add_argument("--model", default="SSE-H")
     p.add_argument("--shape", default="small")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--state-dtype", default="auto", help="vLLM's mamba_ssm_cache_dtype (SSE-H only)")
     p.add_argument("--out", type=Path, default=Path("/tmp"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +75,9 @@ def main():
     torch.manual_seed(0)
     config = configs(args.shape)[args.model]
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
+    sse = args.model.startswith("SSE")
+    engine = dict(mamba_ssm_cache_dtype=args.state_dtype) if sse else {}
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048, **engine)
     prompts = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,)).tolist()}
                for _ in range(args.batch)]
 
@@ -76,36 +91,35 @@ def main():
     run(16)
     short, long = run(32), run(288)
     step_ms = (long - short) / 256 * 1e3
-    lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads)] if args.model == "SSE-H" else []
-    lines += [f"{args.model} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms "
-             f"({args.batch / step_ms * 1e3:,.0f} tokens/s in steady decode); 32 tokens took {short:.2f} s"]
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run(33)  # the prefill step and 32 decode steps
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    total = sum(e.device_time_total for e in events)
-    lines.append(f"GPU kernel time over the profiled run: {total / 1e3:.1f} ms")
-    lines.append("| kernel | calls | total ms | share |")
+    name = args.model + ("" if args.state_dtype == "auto" else f" ({args.state_dtype} states)")
+    state_dtype = torch.float32 if args.state_dtype == "auto" else getattr(torch, args.state_dtype)
+    lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads, state_dtype=state_dtype)] if sse else []
+    lines += [f"{name} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms of wall time "
+              f"({args.batch / step_ms * 1e3:,.0f} tokens/s in steady decode); 32 tokens took {short:.2f} s"]
+    # Kernels of 32 decode steps alone: a 65-token run minus a 33-token run (same prefill, same prompts).
+    base, more = kernel_times(run, 33), kernel_times(run, 65)
+    per_step = {k: ((n - base.get(k, (0, 0))[0]) / 32, (ms - base.get(k, (0, 0.0))[1]) / 32)
+                for k, (n, ms) in more.items()}
+    per_step = {k: v for k, v in per_step.items() if v[1] > 0.001}
+    total = sum(ms for _, ms in per_step.values())
+    lines.append(f"GPU kernel time per decode step: {total:.2f} ms, against {step_ms:.2f} ms of wall time "
+                 f"({total / step_ms:.0%} of the step)")
+    lines.append("| kernel | calls per step | ms per step | share |")
     lines.append("| --- | ---: | ---: | ---: |")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:
-        lines.append(f"| {e.key[:90]} | {e.count} | {e.device_time_total / 1e3:.2f} | "
-                     f"{e.device_time_total / total:.1%} |")
-    steps = 33
-    lines.append(f"GPU kernel time per step (prefill included): {total / 1e3 / steps:.2f} ms, "
-                 f"against {step_ms:.2f} ms of wall time per decode step")
+    for key, (calls, ms) in sorted(per_step.items(), key=lambda kv: -kv[1][1])[:25]:
+        lines.append(f"| {key[:90]} | {calls:.1f} | {ms:.3f} | {ms / total:.1%} |")
     import cProfile
     import io
     import pstats
     profiler = cProfile.Profile()
-    profiler.runcall(run, 33)
+    profiler.runcall(run, 288)
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(40)
-    (args.out / f"decode_profile_{args.shape}_{args.model}_python.txt").write_text(stream.getvalue())
+    tag = f"{args.shape}_{args.model}" + ("" if args.state_dtype == "auto" else f"_{args.state_dtype}")
+    (args.out / f"decode_profile_{tag}_python.txt").write_text(stream.getvalue())
     text = "\n".join(lines)
     print(text, flush=True)
-    (args.out / f"decode_profile_{args.shape}_{args.model}.md").write_text(text + "\n")
-    cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
-    (args.out / f"decode_profile_{args.shape}_{args.model}_cpu.txt").write_text(cpu)
+    (args.out / f"decode_profile_{tag}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 run, vLLM's default engine (engine-core process, torch.compile, CUDA graphs, chunked prefill, async scheduling).
 
     python bench/vllm_rollouts.py [--shape small|1b] [--lengths 1024 4096 16384] [--prompts 32] [--n 8]
-                                  [--out bench/results]
+                                  [--out bench/results] [--add EARLIER.json ...]
 
 Shapes: `small` (12 layers of 1024, where the first GPU measurement was made; at ~0.2B parameters a decode step
 is mostly vLLM's host-side work for both models) and `1b` (24 layers of 2048, 16 query and 8 KV heads of 128:
@@ -101,9 +101,15 @@ def worker(args) -> None:
     speed = {}
     for length in args.lengths:
         prompts = args.prompts_long if length >= args.long_from else args.prompts
+        # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
+        # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
+        _, prefill_s = run(prompts, 1)
         tps, elapsed = run(prompts, length)
-        speed[length] = dict(prompts=prompts, tokens_per_s=tps, seconds=elapsed)
-        print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s)", flush=True)
+        decode_tps = prompts * args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
+        speed[length] = dict(prompts=prompts, tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s,
+                             decode_tokens_per_s=decode_tps)
+        print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
+              f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
     print("RESULT " + json.dumps(dict(start_s=start_s, speed=speed)), flush=True)
 
 
@@ -137,6 +143,9 @@ def main(argv=None):
     p.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON (default: none)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--add", type=Path, nargs="+", default=[],
+                   help="JSON reports of earlier runs (same shape and lengths, e.g. on the same GPU when one device "
+                        "call cannot hold every model): their models join this report's table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--name", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -160,6 +169,12 @@ def main(argv=None):
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"{name}: {e}", flush=True)
                 results[name] = dict(error=str(e)[-2000:])
+    added = {}
+    for earlier in args.add:
+        for name, result in json.loads(earlier.read_text())["results"].items():
+            added.setdefault(name, dict(result, from_report=earlier.name))
+    results = {**added, **results}
+    args.models = [m for m in MODELS if m in results]
     now = datetime.now(timezone.utc)
     longest = PROMPT_TOKENS + max(args.lengths)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -179,8 +194,9 @@ def main(argv=None):
              f"{dims['hidden_size']}, {dims['num_attention_heads']} query / {dims['num_key_value_heads']} KV heads "
              f"of {dims['head_dim']}; SSE-H n{SSE['sse_num_partitions']}k{SSE['sse_top_k']} + shared, attention at "
              f"{', '.join(map(str, attention_at))}; {PROMPT_TOKENS}-token prompts x n = {args.n}, "
-             f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", "",
-             ""]
+             f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", ""]
+    lines += [f"{name} from the earlier run {result['from_report']}." for name, result in results.items()
+              if "from_report" in result] + [""]
     models = [m for m in args.models if m != "Qwen3"] + ["Qwen3"]
     lines += ["| measure | " + " | ".join(models) + " | " + " | ".join(f"{m} / Qwen3" for m in models[:-1]) + " |",
               "| --- |" + " ---: |" * (2 * len(models) - 1)]
@@ -202,6 +218,10 @@ def main(argv=None):
         prompts = args.prompts_long if length >= args.long_from else args.prompts
         row(f"output tokens/s, {prompts} prompts x {args.n} x {length} tokens",
             lambda m, k=str(length): results[m]["speed"][k]["tokens_per_s"], "{:,.0f}")
+        row("  of which prefill, s (a 1-token run)", lambda m, k=str(length): results[m]["speed"][k]["prefill_s"],
+            "{:.2f}")
+        row("  tokens/s after the prefill", lambda m, k=str(length): results[m]["speed"][k]["decode_tokens_per_s"],
+            "{:,.0f}")
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -110,12 +110,16 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     elif out.shape != (B, H, V) or not _tokens_contiguous(out):
         raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
                          f"{tuple(out.shape)}, strides {out.stride()}")
-    block_v = min(triton.next_power_of_2(V), 32)  # a [c, 32] float32 tile: 16 KB per partition at c = 128
+    # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
+    # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
+    # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
+    block_c = triton.next_power_of_2(C)
+    block_v = min(triton.next_power_of_2(V), max(16, 32768 // (block_c * state.element_size())))
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B, H, triton.cdiv(V, block_v))](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, H, C, V, N, *state.stride(),
             *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
-            triton.next_power_of_2(C), block_v, triton.next_power_of_2(N), num_warps=4)
+            block_c, block_v, triton.next_power_of_2(N), num_warps=4)
     return out
