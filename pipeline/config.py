@@ -69,6 +69,11 @@ class ConvertSettings:
     partitions: int = 4
     top_k: int = 1
     lora_rank: int = 64
+    # Attention-output alignment (SILA; sse_model.convert.align_sse_layers): Adam steps per SSE layer fitting its
+    # output to the replaced attention's on the source's hidden states. 0: off.
+    align_steps: int = 0
+    align_lr: float = 1e-3
+    align_tokens: int = 8192  # calibration tokens the source samples for it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +133,16 @@ SET_BY_PIPELINE = {
 
 
 @dataclass(frozen=True, kw_only=True)
+class TokenWeightSettings:
+    """SILA's token-weighted SFT loss (pipeline/token_weights.py): per-token weights from a reference Transformer's
+    attention, blended in as the loss weight (1 - e^(-step/tau)) w + e^(-step/tau)."""
+
+    reference: str | None = None  # an HF causal LM with the SFT model's tokenizer; None: convert.source
+    threshold: float = 0.1  # attention probabilities at or below it do not count
+    tau: float = 200.0  # optimizer steps; at step 0 the loss is plain next-token prediction
+
+
+@dataclass(frozen=True, kw_only=True)
 class SFTSettings:
     """The pipeline's own SFT keys. Any other key of the `sft` section is a field of `trl.SFTConfig`, checked
     against that field's type and passed through (`trl`); TRL's default holds for the fields not set here."""
@@ -143,6 +158,7 @@ class SFTSettings:
     lr_scheduler: LRScheduler = "cosine"
     warmup_ratio: float = 0.0  # fraction of steps; transformers 5 takes it as TrainingArguments.warmup_steps < 1
     per_device_batch_size: int = 8
+    token_weights: TokenWeightSettings | None = None  # None: off
     trl: dict[str, Any] = field(default_factory=lambda: dict(SFTSettings.trl_defaults))
 
 
@@ -553,6 +569,7 @@ def _check(cfg: Config) -> None:
         require(not ratio or settings.lr_scheduler != "constant", f"{stage}.warmup_ratio",
                 "the constant schedule ignores warmup: use lr_scheduler: constant_with_warmup",
                 [f"{stage}.lr_scheduler"])
+    _check_sila(cfg, require)
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < trl["top_p"] <= 1, "grpo.top_p", f"must be in (0, 1], got {trl['top_p']}")
     require(bool(cfg.eval.models), "eval.models", "must name at least one model: 'last' or stages before eval")
@@ -577,6 +594,28 @@ def _check(cfg: Config) -> None:
             require(entry in BENCHMARKS, f"data.eval[{i}]",
                     f"unknown eval set {entry!r}{_did_you_mean(entry, list(BENCHMARKS), show_all=True)}; "
                     "name a benchmark or give a mapping with `source`")
+
+
+def _check_sila(cfg: Config, require) -> None:
+    """SILA's tools (sft.token_weights, convert.align_*)."""
+    c = cfg.convert
+    require(c.align_steps >= 0, "convert.align_steps", f"must be at least 0 (0: no alignment), got {c.align_steps}")
+    if c.align_steps:
+        require(c.align_lr > 0, "convert.align_lr", f"must be positive, got {c.align_lr}")
+        require(c.align_tokens > 0, "convert.align_tokens", f"must be positive, got {c.align_tokens}")
+    w = cfg.sft.token_weights
+    if w is None:
+        return
+    require(w.reference is not None or cfg.model.init == "convert", "sft.token_weights.reference",
+            "required unless model.init is 'convert' (then convert.source is the reference)", ["model.init"])
+    require(0 <= w.threshold < 1, "sft.token_weights.threshold", f"must be in [0, 1), got {w.threshold}")
+    require(w.tau > 0, "sft.token_weights.tau", f"must be positive (steps), got {w.tau}")
+    # Weights are computed per example; packing would put several examples in one sequence.
+    require(not cfg.sft.trl.get("packing"), "sft.token_weights", "cannot be combined with packing (weights are "
+            "computed per example); padding_free batches work", ["sft.packing"])
+    loss = cfg.sft.trl.get("loss_type", "nll")
+    require(loss == "nll", "sft.token_weights", f"weights the nll loss only, got loss_type {loss!r}",
+            ["sft.loss_type"])
 
 
 def _check_task(g: GeneratorSettings, key: str, src_kind: str) -> None:

@@ -71,7 +71,7 @@ BAD = [
     ("sft: {learning_rate: abc}", "sft.learning_rate: expected float, got str 'abc'"),
     ("sft: {learnig_rate: 0.1}", "sft.learnig_rate: unknown key (did you mean 'learning_rate'?)"),
     ("sft: {zzz: 1}", "sft.zzz: unknown key: neither a key of the pipeline (epochs, lr_scheduler, warmup_ratio, "
-     "per_device_batch_size) nor a field of trl.SFTConfig"),
+     "per_device_batch_size, token_weights) nor a field of trl.SFTConfig"),
     ("ray: {zzz: 1}", "ray.zzz: unknown key (valid: address, num_cpus, num_gpus, max_failures)"),
     # TRL settings: checked against trl.SFTConfig / trl.GRPOConfig, their types and declared choices
     ("sft: {adam_beta2: high}", "sft.adam_beta2: expected float, got str 'high'"),
