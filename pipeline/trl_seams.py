@@ -11,6 +11,11 @@ Seams (stage in brackets), and what each relies on:
   `current_gradient_accumulation_steps` decide whether the Trainer divides the loss.
 - `TokenCountInStateMixin` [sft]: `SFTTrainer` counts the tokens it logs in `self._total_train_tokens`, which
   checkpoints do not keep.
+- `TokenWeightedLossMixin` [sft, only with `sft.token_weights`]: `SFTTrainer.compute_loss` takes its loss as
+  `-outputs.log_probs` summed over the batch, from the fused LM head's output of the top-level model's forward, whose
+  `log_probs[:, p]` is the term of input position p; the prepared `train_dataset` has `input_ids` and `labels`;
+  the Trainer keeps only the dataset columns in `_signature_columns` (`_set_signature_columns_if_needed`); TRL's
+  collator (`data_collator`, attribute `padding_free`) pads on the right and ignores other columns.
 - `OwnRolloutEngineMixin` [grpo]: `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when
   `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`;
   its sampling attributes (`temperature`, `top_p`, ...); it scores a generation batch with one
@@ -21,6 +26,7 @@ Seams (stage in brackets), and what each relies on:
 - `log_train_metric` [grpo]: `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log.
 - `mark_weights_loaded` [grpo, periodic eval]: `GRPOTrainer._last_loaded_step`.
 """
+import math
 import os
 import shutil
 import time
@@ -34,6 +40,7 @@ from trl.trainer.utils import ensure_master_addr_port
 from pipeline.faults import fault_point
 from pipeline.rollouts import SeededLLM, push_and_check
 from pipeline.rundir import fsync_dir, latest_checkpoint
+from pipeline.token_weights import TokenWeightCollator, TokenWeighting
 
 
 class NonFiniteLoss(RuntimeError):
@@ -131,6 +138,47 @@ class TokenCountInStateMixin:
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         self.state.num_input_tokens_seen = self._total_train_tokens
         return result
+
+
+class TokenWeightedLossMixin:
+    """Mix in before `trl.SFTTrainer`: SILA's token-weighted loss (pipeline/token_weights.py), on when the trainer is
+    built with `token_weights` (a `TokenWeighting`). The prepared dataset gets a `token_weights` column, which the
+    collator batches; each loss term of TRL's loss is multiplied by (1 - e^(-step/tau)) w + e^(-step/tau), exactly 1
+    at step 0. Without `token_weights` nothing changes."""
+
+    def __init__(self, *args, token_weights: TokenWeighting | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_weighting = token_weights
+        if token_weights is None:
+            return
+        data = self.train_dataset
+        with self.accelerator.main_process_first():  # the main process computes and caches, the others read
+            weights = token_weights.for_dataset(list(data["input_ids"]), list(data["labels"]),
+                                                self.processing_class, self.args.device)
+        self.train_dataset = data.add_column("token_weights", weights)
+        self.data_collator = TokenWeightCollator(self.data_collator)
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if self.token_weighting is not None and "token_weights" not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, "token_weights"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        weights = inputs.pop("token_weights", None)
+        if weights is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        decay = math.exp(-self.state.global_step / self.token_weighting.tau)
+        scale = ((1 - decay) * weights + decay)[:, :-1]  # log_probs[:, p] is the term of input position p
+
+        def weigh(module, args, output):
+            output.log_probs = output.log_probs * scale
+            return output
+
+        hook = self.model.register_forward_hook(weigh)
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
 
 
 class OwnRolloutEngineMixin:

@@ -117,3 +117,20 @@ def test_the_seams_module_lists_every_seam():
 
 def issubclass_error(value) -> bool:
     return isinstance(value, type) and issubclass(value, Exception)
+
+
+def test_token_weighted_loss_seam():
+    """SFT's loss is minus the fused LM head's `log_probs` of the top-level model's forward (the mixin scales them in
+    a forward hook), whose entry p is the term of hidden state p and label p + 1; the Trainer keeps the dataset
+    columns named in `_signature_columns`; TRL's collator pads on the right and says whether it is padding-free."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    from trl.trainer.utils import add_fused_lm_head
+
+    loss = source(SFTTrainer.compute_loss)
+    assert "outputs = model(**inputs, fused_lm_head=True)" in loss and "per_token_loss = -outputs.log_probs" in loss
+    head = source(add_fused_lm_head)
+    assert "last_hidden_state[:, :-1]" in head and "labels = labels[:, 1:]" in head
+    assert parameters(SFTTrainer._set_signature_columns_if_needed) == ["self"]
+    assert "self._signature_columns" in source(Trainer._remove_unused_columns)
+    collate = source(DataCollatorForLanguageModeling.torch_call)
+    assert 'padding_side="right"' in collate and "self.padding_free" in collate

@@ -6,11 +6,18 @@ from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import load_sft_dataset
+from pipeline.token_weights import TokenWeighting
 from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
-from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin
+from pipeline.trl_seams import (
+    AtomicCheckpointsMixin,
+    BalanceLossMixin,
+    TokenCountInStateMixin,
+    TokenWeightedLossMixin,
+)
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, SFTTrainer):
+class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
+                    SFTTrainer):
     stage = "sft"
 
 
@@ -21,8 +28,11 @@ def run(cfg, run_dir, model_path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     dataset = load_sft_dataset(cfg.data.sft)
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
+    w = s.token_weights  # SILA's token-weighted loss; None: off
+    weighting = None if w is None else TokenWeighting(reference=w.reference or cfg.convert.source,
+                                                      threshold=w.threshold, tau=w.tau, cache_dir=out)
     trainer = SSESFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[StageCallback(run_dir, "sft", model)])
+                            callbacks=[StageCallback(run_dir, "sft", model)], token_weights=weighting)
     resume = resume_checkpoint(run_dir, "sft")
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     final = save_final_model(trainer, tokenizer, out / "final")
