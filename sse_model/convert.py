@@ -33,6 +33,10 @@ How an SSE layer is initialised, and why (measurements: docs/conversion.md, `pyt
 - LoRA of the shared partition: down-projections small random, up-projections 0, so the shared partition starts
   with the routed partitions' q and k and the LoRA learns the difference; decay_down small random for the same
   reason (decay_up starts at 0).
+
+Optional, off by default (`align_steps=0`): attention-output alignment (one of SILA's training tools), which then
+trains every SSE layer by gradient descent to reproduce the replaced attention layer's output on the source's hidden
+states (`align_sse_layers`; measured in docs/retrieval.md).
 """
 import argparse
 import logging
@@ -64,6 +68,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CALIBRATION_LENGTH = 256  # tokens per calibration sequence
 # Query offset in units of the head's query std (docs/conversion.md: 0.5 beat 0, 1 and 2).
 QUERY_OFFSET = 0.5
+ALIGN_BATCH = 8  # calibration sequences per step of attention-output alignment
 
 
 def source_layout(config) -> dict:
@@ -281,6 +286,36 @@ def convert_model(source, config: SSEConfig, *, calibration_ids=None, seed: int 
     return model
 
 
+def align_sse_layers(source, model: SSEForCausalLM, ids: torch.Tensor, *, steps: int, lr: float,
+                     seed: int = 0) -> dict[int, tuple[float, float]]:
+    """SILA's attention-output alignment: train each SSE layer of `model`, one after another, to reproduce the output
+    (after o_proj) of the attention layer it replaced, both fed that attention's input in the source on `ids`:
+    `steps` Adam steps on the mean squared error, ALIGN_BATCH random sequences of `ids` each, gradients clipped to
+    norm 1. Only the SSE layers' parameters change. Returns {layer: (MSE before, MSE after)} over `ids`."""
+    sse_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == SSE_LAYER]
+    generator = torch.Generator().manual_seed(seed)
+    errors = {}
+    for i in sse_layers:
+        (x, attn_out), = attention_activations(source, ids, [i]).values()
+        with torch.no_grad():
+            target = source.model.layers[i].self_attn.o_proj(attn_out.flatten(-2))
+        layer = model.model.layers[i].linear_attn
+        params = list(layer.parameters())
+        optimizer = torch.optim.Adam(params, lr=lr)
+        with torch.no_grad():
+            before = F.mse_loss(layer(x)[0], target).item()
+        for _ in range(steps):
+            batch = torch.randperm(len(ids), generator=generator)[:ALIGN_BATCH].to(x.device)
+            loss = F.mse_loss(layer(x[batch])[0], target[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+        with torch.no_grad():
+            errors[i] = (before, F.mse_loss(layer(x)[0], target).item())
+    return errors
+
+
 def local_checkpoint(src: str) -> Path:
     """A local directory holding `src`: the path itself, or the hub snapshot of a model id."""
     if Path(src).is_dir():
@@ -293,10 +328,13 @@ def local_checkpoint(src: str) -> Path:
 
 def convert(src, dst, *, attention_every: int | None = 6, attention_layers=None, partitions: int = 4,
             top_k: int = 1, lora_rank: int = 64, row_topk: int | None = None, shared_partition: bool = True,
-            calibration_tokens: int = 2048, seed: int = 0, device: str | None = None) -> SSEConfig:
+            calibration_tokens: int = 2048, align_steps: int = 0, align_lr: float = 1e-3, align_tokens: int = 8192,
+            seed: int = 0, device: str | None = None) -> SSEConfig:
     """Write an `sse_hybrid` checkpoint converted from the Transformer at `src` (local directory or hub id) to
     `dst` in the source's dtype, with its tokenizer, chat template and generation config; returns the config.
-    `attention_layers` (indices) overrides `attention_every`; `calibration_tokens=0` skips calibration."""
+    `attention_layers` (indices) overrides `attention_every`; `calibration_tokens=0` skips calibration;
+    `align_steps` > 0 aligns the SSE layers' outputs to the attention's on `align_tokens` tokens the source samples
+    (`align_sse_layers`)."""
     src_dir = local_checkpoint(str(src))
     src_config = AutoConfig.from_pretrained(src_dir)
     layout = source_layout(src_config)
@@ -307,6 +345,11 @@ def convert(src, dst, *, attention_every: int | None = 6, attention_layers=None,
     source = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).to(device).eval()
     ids = calibration_text(source, calibration_tokens, seed) if calibration_tokens > 0 else None
     model = convert_model(source, config, calibration_ids=ids, seed=seed)
+    if align_steps > 0:
+        errors = align_sse_layers(source, model, calibration_text(source, align_tokens, seed + 1), steps=align_steps,
+                                  lr=align_lr, seed=seed)
+        logger.info("aligned the SSE layers' outputs to the attention's (MSE before -> after): %s",
+                    ", ".join(f"layer {i} {a:.4g} -> {b:.4g}" for i, (a, b) in errors.items()))
     del source
 
     dtype = src_config.dtype or torch.float32
@@ -344,6 +387,11 @@ def convert_main(argv=None) -> int:
     parser.add_argument("--row-topk", type=int, default=None, help="row-sparse keys: rows kept per token")
     parser.add_argument("--calibration-tokens", type=int, default=2048,
                         help="tokens the source samples to fit SSE decays and gates (0: data-free init)")
+    parser.add_argument("--align-steps", type=int, default=0,
+                        help="Adam steps per SSE layer fitting its output to the replaced attention's (0: off)")
+    parser.add_argument("--align-lr", type=float, default=1e-3, help="learning rate of the alignment (default 1e-3)")
+    parser.add_argument("--align-tokens", type=int, default=8192,
+                        help="tokens the source samples for the alignment (default 8192)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
@@ -351,7 +399,8 @@ def convert_main(argv=None) -> int:
     try:
         convert(args.src, args.dst, attention_every=args.attention_every, attention_layers=args.attention_layers,
                 partitions=args.partitions, top_k=args.top_k, lora_rank=args.lora_rank, row_topk=args.row_topk,
-                calibration_tokens=args.calibration_tokens, seed=args.seed, device=args.device)
+                calibration_tokens=args.calibration_tokens, align_steps=args.align_steps, align_lr=args.align_lr,
+                align_tokens=args.align_tokens, seed=args.seed, device=args.device)
     except (ValueError, OSError) as err:  # bad input, a missing checkpoint or an unreachable hub
         parser.exit(2, f"sse-rl convert: error: {err}\n")
     return 0

@@ -7,5 +7,6 @@ def run(cfg, run_dir, model_path=None) -> dict:
     out = run_dir.stage_dir("convert") / "model"
     convert(c.source, out, attention_every=None if c.attention_layers else c.attention_every,
             attention_layers=c.attention_layers, partitions=c.partitions, top_k=c.top_k, lora_rank=c.lora_rank,
-            seed=cfg.seed)
-    return {"output": str(out), "summary": f"{c.source} -> SSE-H (N={c.partitions}, K={c.top_k})"}
+            align_steps=c.align_steps, align_lr=c.align_lr, align_tokens=c.align_tokens, seed=cfg.seed)
+    aligned = f", SSE outputs aligned for {c.align_steps} steps" if c.align_steps else ""
+    return {"output": str(out), "summary": f"{c.source} -> SSE-H (N={c.partitions}, K={c.top_k}){aligned}"}
