@@ -197,7 +197,8 @@ def step_line(stage: str, row: dict, previous: dict | None, total: int | None) -
         per_function = [f"{key.split('/')[1]} {value:.3f}" for key, value in row.items()
                         if key.startswith("rewards/") and key.endswith("/mean")]
         parts = [step, f"reward {row['reward']:.3f}" + (f" ({', '.join(per_function)})" if per_function else "")]
-        for key, label, fmt in (("vllm_parity", "parity", ".1e"), ("kl", "kl", ".4f"),
+        for key, label, fmt in (("vllm_parity", "parity", ".1e"), ("sampling/kl_rollout_trainer", "rollout_kl", ".1e"),
+                                ("kl", "kl", ".4f"),
                                 ("clip_ratio/region_mean", "clip", ".3f"),
                                 ("completions/mean_length", "length", ".0f"), ("step_time", "s/step", ".1f")):
             if key in row:

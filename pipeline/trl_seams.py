@@ -19,7 +19,10 @@ Seams (stage in brackets), and what each relies on:
 - `OwnRolloutEngineMixin` [grpo]: `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when
   `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`;
   its sampling attributes (`temperature`, `top_p`, ...); it scores a generation batch with one
-  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` call (timed as `time/scoring_s`).
+  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` call (timed as `time/scoring_s`);
+  `_generate_and_score_completions(inputs)` returns `completion_mask`, and with vLLM importance sampling on
+  `old_per_token_logps` (the trainer's) and `sampling_per_token_logps` (vLLM's) for the sampled tokens (their
+  KL, `sampling/kl_rollout_trainer`, computed by `rollout_kl`).
 - `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
   `self.llm` and returns `(prompt_ids, completion_ids, ...)`; the trainer calls `sync_weights()` when the step
   changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`).
@@ -206,6 +209,15 @@ class OwnRolloutEngineMixin:
         log_train_metric(self, "time/scoring_s", time.perf_counter() - started)
         return rewards
 
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training and "old_per_token_logps" in output and "sampling_per_token_logps" in output:
+            kl = rollout_kl(output["sampling_per_token_logps"], output["old_per_token_logps"],
+                            output["completion_mask"])
+            if kl is not None:
+                log_train_metric(self, "sampling/kl_rollout_trainer", kl)
+        return output
+
 
 class SSEVLLMGeneration(VLLMGeneration):
     """TRL's colocated generation with the pipeline's engine (pipeline/rollouts.py): seeded requests, and weights
@@ -246,6 +258,19 @@ class SSEVLLMGeneration(VLLMGeneration):
         model = self.accelerator.unwrap_model(self.model)
         self.log("vllm_parity", push_and_check(self.engine, model, self.parity_ids, self.parity_threshold))
         self.log("time/weight_push_s", time.perf_counter() - started)
+
+
+def rollout_kl(sampler_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor) -> float | None:
+    """Mean per-token KL(sampler || trainer) over the completion tokens, from the log-probabilities both give the
+    sampled tokens: Schulman's k3 estimator E[r - 1 - log r] with r = p_trainer / p_sampler, which is unbiased for
+    tokens drawn from the sampler and never negative. Tokens either side could not score (NaN) are left out;
+    None when none is left."""
+    log_ratio = (trainer_logps - sampler_logps).float()
+    keep = mask.bool() & ~torch.isnan(log_ratio)
+    if not keep.any():
+        return None
+    log_ratio = log_ratio[keep]
+    return (torch.expm1(log_ratio) - log_ratio).mean().item()
 
 
 def log_train_metric(trainer, name: str, value: float) -> None:

@@ -21,10 +21,11 @@ def test_step_lines():
     assert step_line("sft", first, None, 6) == "[sft] step 2/6  loss 1.2346  lr 1.50e-03"
     assert step_line("sft", second, first, 6) == "[sft] step 4/6  loss 1.0000  lr 1.00e-03  2,000 tokens/s"
     grpo = {"step": 3, "time": 1.0, "reward": 0.5, "rewards/math_accuracy/mean": 0.5, "rewards/format/mean": 1.0,
-            "vllm_parity": 2e-7, "kl": 0.01, "clip_ratio/region_mean": 0.0, "completions/mean_length": 76.4,
-            "step_time": 5.12}
+            "vllm_parity": 2e-7, "sampling/kl_rollout_trainer": 3e-6, "kl": 0.01, "clip_ratio/region_mean": 0.0,
+            "completions/mean_length": 76.4, "step_time": 5.12}
     assert step_line("grpo", grpo, None, 40) == ("[grpo] step 3/40  reward 0.500 (math_accuracy 0.500, format 1.000)"
-                                                 "  parity 2.0e-07  kl 0.0100  clip 0.000  length 76  5.1 s/step")
+                                                 "  parity 2.0e-07  rollout_kl 3.0e-06  kl 0.0100  clip 0.000"
+                                                 "  length 76  5.1 s/step")
     # not steps: the trainer's summary row, GRPO's prompt count, eval results
     assert step_line("sft", {"step": 6, "train_runtime": 3.0}, None, 6) is None
     assert step_line("grpo", {"step": 0, "prompts": 200}, None, 40) is None

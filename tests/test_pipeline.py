@@ -22,8 +22,8 @@ SHORT = [
 CONSOLE = re.compile(r"run \S+ \(library output: \S+/logs/<stage>\.log\)"
                      r"|\[(init|sft|grpo|eval)\] (starting|already done, skipped|done in [\d.]+ s: .+)"
                      r"|\[sft\] step \d+/\d+  loss [\d.]+  lr [\d.e+-]+(  [\d,]+ tokens/s)?"
-                     r"|\[grpo\] step \d+/\d+  reward [\d.]+ \(math_accuracy [\d.]+\)  parity \S+  clip [\d.]+  "
-                     r"length \d+  [\d.]+ s/step"
+                     r"|\[grpo\] step \d+/\d+  reward [\d.]+ \(math_accuracy [\d.]+\)  parity \S+  rollout_kl \S+  "
+                     r"clip [\d.]+  length \d+  [\d.]+ s/step"
                      r"|\|.+\||run finished: \S+/report\.md")
 
 
@@ -61,6 +61,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         phases = ("time/rollout_s", "time/scoring_s", "time/weight_push_s", "time/update_s")
         assert all(m[p] > 0 for p in phases), m
         assert m["rollout_tokens_per_s"] > 0
+        # KL(vLLM || trainer) on the sampled tokens (trl_seams.rollout_kl): float32 on both sides, so tiny
+        assert 0 <= m["sampling/kl_rollout_trainer"] < 1e-4, m["sampling/kl_rollout_trainer"]
 
     for model in ("init", "sft", "grpo"):  # the tiny config compares untrained, SFT and GRPO models
         results = json.loads((run / "eval" / model / "metrics.json").read_text())

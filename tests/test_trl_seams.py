@@ -5,6 +5,7 @@ tests/test_reliability.py); these say which seam broke, in seconds, after an upg
 import inspect
 
 import pytest
+import torch
 from transformers import Trainer, trainer_utils
 from trl import GRPOTrainer, SFTTrainer
 from trl.generation.vllm_generation import VLLMGeneration
@@ -80,6 +81,38 @@ def test_own_rollout_engine_seam():
     assert parameters(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions",
                                                            "completion_ids_list"]
     assert trainer.count("self._calculate_rewards(inputs, prompts, completions, completion_ids_list)") == 1
+
+
+def test_rollout_kl_seam():
+    """`_generate_and_score_completions(inputs)` returns the completion mask and, with vLLM importance sampling on
+    (TRL's default), the trainer's and vLLM's log-probabilities of the sampled tokens under these keys."""
+    assert parameters(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    body = source(GRPOTrainer._generate_and_score_completions)
+    for key in ("completion_mask", "old_per_token_logps", "sampling_per_token_logps"):
+        assert f'output["{key}"] = ' in body or f'"{key}": ' in body, key
+    from trl import GRPOConfig
+    assert GRPOConfig.vllm_importance_sampling_correction is True
+
+
+def test_rollout_kl_estimates_the_kl_of_sampled_tokens():
+    """k3 over tokens drawn from the sampler converges to the exact KL(sampler || trainer); equal log-probabilities
+    give 0; masked and NaN tokens are left out; nothing left gives None."""
+    g = torch.Generator().manual_seed(0)
+    sampler = torch.log_softmax(torch.randn(50, generator=g), 0)
+    trainer = torch.log_softmax(sampler + 0.3 * torch.randn(50, generator=g), 0)
+    exact = (sampler.exp() * (sampler - trainer)).sum().item()
+    tokens = torch.multinomial(sampler.exp(), 400_000, replacement=True, generator=g).view(4000, 100)
+    mask = torch.ones_like(tokens)
+    estimate = trl_seams.rollout_kl(sampler[tokens], trainer[tokens], mask)
+    assert exact > 0.01 and abs(estimate - exact) < 0.03 * exact, (estimate, exact)
+    assert trl_seams.rollout_kl(sampler[tokens], sampler[tokens], mask) == 0.0
+    noisy = trainer[tokens].clone()
+    noisy[:, 50:] = float("nan")
+    mask[:, 40:50] = 0
+    kept = trl_seams.rollout_kl(sampler[tokens], noisy, mask)
+    assert kept == pytest.approx(trl_seams.rollout_kl(sampler[tokens][:, :40], trainer[tokens][:, :40],
+                                                      mask[:, :40]))
+    assert trl_seams.rollout_kl(sampler[tokens], trainer[tokens], torch.zeros_like(mask)) is None
 
 
 def test_vllm_generation_seam():
