@@ -194,3 +194,12 @@ def test_alignment_reduces_heldout_error_and_leaves_other_layers(source, tmp_pat
     aligned = AutoModelForCausalLM.from_pretrained(tmp_path / "aligned", dtype=torch.float32).state_dict()
     differ = {k for k, v in aligned.items() if not torch.equal(v, before[k])}
     assert differ and all(".linear_attn." in k for k in differ)
+
+
+def test_measurement_config_matches_the_bench_task():
+    """configs/sila_mqar.yaml trains and evaluates on the MQAR task bench/sila_tools.py trains its source on."""
+    from bench.sila_tools import CONFIG, MQAR
+
+    cfg = load_config(CONFIG, ["sft.token_weights={}", "convert.align_steps=200"])
+    assert cfg.data.sft.generator.options == MQAR and cfg.data.eval[0].generator.options == MQAR
+    assert cfg.sft.token_weights.reference is None and cfg.convert.align_steps == 200
