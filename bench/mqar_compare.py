@@ -106,9 +106,13 @@ def differences(runs: dict) -> list[dict]:
     return out
 
 
+def pct(fraction: float) -> str:
+    """A fraction as the tables' percent (one decimal)."""
+    return f"{100 * fraction:.1f}"
+
+
 def markdown(runs: dict, diffs: list[dict], meta: dict) -> str:
     pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
-    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
     lines = [f"# MQAR comparison, {meta['date']}", "",
              f"Dataset `{next(iter(runs.values()))['dataset']}`; query accuracy in % (Zoology's measure; here "
              "one query per sample, so the same as exact accuracy) with the 95 % bootstrap interval over problems. "

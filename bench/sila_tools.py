@@ -284,7 +284,7 @@ def report(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
+    from bench.mqar_compare import pct
     s = result["source"]
     lines = [f"# SILA's training tools on MQAR (CPU), {result['date']}", "",
              f"Machine: {result['machine']}; one torch thread per stage. Task: MQAR, 32 codes, 1 to 4 pairs, one "

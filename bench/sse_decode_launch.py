@@ -19,29 +19,48 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float]:
-    from kernels.triton.decode import _decode_kernel
-    state = torch.zeros(2 * batch, H, N + 1, c, dv, device="cuda", dtype=dtype)
+def decode_case(batch, H, N=4, c=128, dv=128, state_dtype=torch.float32):
+    """One decode step's state cache (the batch's slots spread over twice as many) and bf16 inputs, named as
+    `kernels.sse_decode` takes them. Returns (state, slots, inputs)."""
+    state = torch.zeros(2 * batch, H, N + 1, c, dv, device="cuda", dtype=state_dtype)
     slots = torch.randperm(2 * batch, device="cuda")[:batch].int()
-    q, k, q_s, k_s = (torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    v = torch.randn(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(batch, H, c, device="cuda") / 16
-    e = torch.randn(batch, N, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    inputs = (q, k, v, g, e, q_s, k_s)
+    inputs = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
+              for name in ("q", "k_logits", "q_shared", "k_shared_logits")}
+    inputs["v"] = torch.randn(batch, H, dv, device="cuda", dtype=torch.bfloat16)
+    inputs["log_decay"] = -torch.rand(batch, H, c, device="cuda") / 16
+    inputs["router_logits"] = torch.randn(batch, N, device="cuda", dtype=torch.bfloat16)
+    return state, slots, inputs
 
-    def step():
-        _decode_kernel[(batch, H, triton.cdiv(dv, block_v))](
-            state, slots, *inputs, out, c**-0.5, H, c, dv, N, *state.stride(),
-            *(t.stride(0) for t in (*inputs, out)), 1, True, 0, c, block_v, triton.next_power_of_2(N),
-            num_warps=warps)
+
+def replay_ms(step) -> float:
+    """Milliseconds per call of `step` captured in a CUDA graph (as vLLM runs decode)."""
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    ms = triton.testing.do_bench(graph.replay, warmup=50, rep=300)
-    moved = 2 * batch * H * 2 * c * dv * state.element_size()
-    return ms * 1e3, moved / ms / 1e6
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=300)
+
+
+def state_bytes(state, batch) -> int:
+    """Bytes a decode step moves: the K = 1 routed and the shared partition's states, read and written."""
+    _, H, _, c, dv = state.shape
+    return 2 * batch * H * 2 * c * dv * state.element_size()
+
+
+def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float]:
+    """(us per layer, GB/s of state traffic) of `_decode_kernel` launched with BLOCK_V and warps."""
+    from kernels.triton.decode import _decode_kernel
+    state, slots, x = decode_case(batch, H, N, c, dv, dtype)
+    args = [x[name] for name in ("q", "k_logits", "v", "log_decay", "router_logits", "q_shared", "k_shared_logits")]
+    out = torch.empty(batch, H, dv, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        _decode_kernel[(batch, H, triton.cdiv(dv, block_v))](
+            state, slots, *args, out, c**-0.5, H, c, dv, N, *state.stride(),
+            *(t.stride(0) for t in (*args, out)), 1, True, 0, c, block_v, triton.next_power_of_2(N),
+            num_warps=warps)
+    ms = replay_ms(step)
+    return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 
 def main():

@@ -22,27 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def decode_kernel_alone(batch, H=8, N=4, c=128, dv=128, state_dtype=torch.float32) -> str:
     """kernels.sse_decode by itself on a state cache like vLLM's (bf16 inputs), CUDA-graph replay."""
-    import triton
-
     import kernels
-    state = torch.zeros(4 * batch, H, N + 1, c, dv, device="cuda", dtype=state_dtype)
-    slots = torch.randperm(4 * batch, device="cuda")[:batch]
-    x = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
-         for name in ("q", "k_logits", "q_shared", "k_shared_logits")}
-    x["v"] = torch.randn(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    x["log_decay"] = -torch.rand(batch, H, c, device="cuda") / 16
-    x["router_logits"] = torch.randn(batch, N, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        kernels.sse_decode(state, slots, **x, top_k=1)
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    ms = triton.testing.do_bench(graph.replay)
-    moved = 2 * batch * H * 2 * c * dv * state.element_size()  # K + shared partitions, read and written
+    from sse_decode_launch import decode_case, replay_ms, state_bytes
+    state, slots, x = decode_case(batch, H, N, c, dv, state_dtype)
+    ms = replay_ms(lambda: kernels.sse_decode(state, slots, **x, top_k=1))
     return (f"sse_decode alone, batch {batch}, H {H}, N {N}, c = d_v = {c}, {state_dtype} states: "
-            f"{ms * 1e3:.1f} us per layer, {moved / ms / 1e6:.0f} GB/s of state traffic")
+            f"{ms * 1e3:.1f} us per layer, {state_bytes(state, batch) / ms / 1e6:.0f} GB/s of state traffic")
 
 
 def kernel_times(llm_run, new_tokens) -> dict[str, tuple[int, float]]:

@@ -296,6 +296,8 @@ def align_sse_layers(source, model: SSEForCausalLM, ids: torch.Tensor, *, steps:
     generator = torch.Generator().manual_seed(seed)
     errors = {}
     for i in sse_layers:
+        # One layer's activations at a time (a source forward per layer): all layers' at once would hold
+        # 2 x layers x tokens x hidden floats, gigabytes for a 1B-class source at the default 8192 tokens.
         (x, attn_out), = attention_activations(source, ids, [i]).values()
         with torch.no_grad():
             target = source.model.layers[i].self_attn.o_proj(attn_out.flatten(-2))
