@@ -1,7 +1,7 @@
 """SSE-H for vLLM: Sparse State Expansion layers with per-request state slots, plus paged softmax attention.
 
 Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
-parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj`.
+parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj` / `narrow_proj`.
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
 holds the states [layers, H, N + shared, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
@@ -61,7 +61,24 @@ STACKED_PARAMS = [
     (".qkv_proj", ".v_proj", "v"),
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
+    (".narrow_proj", ".router", 0),
+    (".narrow_proj", ".decay_down", 1),
+    (".narrow_proj", ".q_shared_down", 2),
+    (".narrow_proj", ".k_shared_down", 3),
 ]
+
+
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Several projections of one input, replicated on every rank, as one GEMM; a checkpoint tensor loads into
+    its rows by shard index. (vLLM merges column-parallel projections, not replicated ones.)"""
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, prefix: str):
+        self.output_sizes = output_sizes  # read by ReplicatedLinear to create the weight
+        super().__init__(input_size, sum(output_sizes), bias=False, prefix=prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
+        start = sum(self.output_sizes[:loaded_shard_id])
+        param.data[start:start + self.output_sizes[loaded_shard_id]].copy_(loaded_weight)
 
 
 def state_groups(config: SSEConfig) -> list[list[int]]:
@@ -235,19 +252,19 @@ class SSELinearAttention(nn.Module):
         if self.state_row == 0:
             self.states = SSEStates(sse_state_shape(config, tp), self.states_name)
         self.num_heads, self.value_dim = H // tp, dv
-        # Names as in the HF SSELayer (q/k/v stacked); head-sized outputs split over tensor-parallel ranks,
-        # the router and low-rank down projections replicated.
+        # Names as in the HF SSELayer (q/k/v and the narrow projections stacked); head-sized outputs split over
+        # tensor-parallel ranks, the narrow ones replicated.
         self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.sse_qkv_bias, v_head_size=dv,
                                           prefix=f"{prefix}.qkv_proj")
-        self.router = ReplicatedLinear(D, config.sse_num_partitions, bias=False, prefix=f"{prefix}.router")
-        self.decay_down = ReplicatedLinear(D, config.sse_decay_rank, bias=False, prefix=f"{prefix}.decay_down")
-        self.decay_up = ColumnParallelLinear(config.sse_decay_rank, H * c, bias=True, prefix=f"{prefix}.decay_up")
+        # The narrow projections of x (router logits; the low-rank codes of the decay and of the shared
+        # partition's q and k) are one GEMM: as four, each was a launch of its own for a few columns per decode step.
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
+        r = config.sse_lora_rank
+        self.narrow_sizes = [config.sse_num_partitions, config.sse_decay_rank] + ([r, r] if self.lora else [])
+        self.narrow_proj = MergedReplicatedLinear(D, self.narrow_sizes, prefix=f"{prefix}.narrow_proj")
+        self.decay_up = ColumnParallelLinear(config.sse_decay_rank, H * c, bias=True, prefix=f"{prefix}.decay_up")
         if self.lora:
-            r = config.sse_lora_rank
-            self.q_shared_down = ReplicatedLinear(D, r, bias=False, prefix=f"{prefix}.q_shared_down")
             self.q_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.q_shared_up")
-            self.k_shared_down = ReplicatedLinear(D, r, bias=False, prefix=f"{prefix}.k_shared_down")
             self.k_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.k_shared_up")
         self.g_proj = ColumnParallelLinear(D, H * dv, bias=config.sse_gate_bias, prefix=f"{prefix}.g_proj")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
@@ -271,13 +288,13 @@ class SSELinearAttention(nn.Module):
         T = hidden_states.shape[0]
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, _ = qkv.split(self.packed_sizes[:3], -1)
-        decay, _ = self.decay_up(self.decay_down(hidden_states)[0])
-        router, _ = self.router(hidden_states)
+        router, decay_code, *shared_codes = self.narrow_proj(hidden_states)[0].split(self.narrow_sizes, -1)
+        decay, _ = self.decay_up(decay_code)
         packed = [qkv, decay, router]
         if self.config.sse_shared_partition:
             packed += sse_math.shared_partition_qk(
-                q, k, self.q_shared_up(self.q_shared_down(hidden_states)[0])[0] if self.lora else None,
-                self.k_shared_up(self.k_shared_down(hidden_states)[0])[0] if self.lora else None)
+                q, k, self.q_shared_up(shared_codes[0])[0] if self.lora else None,
+                self.k_shared_up(shared_codes[1])[0] if self.lora else None)
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
         torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
         gate, _ = self.g_proj(hidden_states)
@@ -296,27 +313,30 @@ class SSELinearAttention(nn.Module):
 
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
-        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4],
-                      log_decay=heads(sse_math.log_decay(parts[3], self.config.sse_decay_normalizer)))
+        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4])
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        self._recur(inputs, metadata, state, output)
+        self._recur(inputs, heads(parts[3]), metadata, state, output)
 
-    def _recur(self, inputs: dict[str, torch.Tensor], metadata: LinearAttentionMetadata, state: torch.Tensor,
-               output: torch.Tensor) -> None:
+    def _recur(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor, metadata: LinearAttentionMetadata,
+               state: torch.Tensor, output: torch.Tensor) -> None:
         """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
         prefills start from float32 copies of their slots' states). Inputs are views into the packed buffer and
-        decodes write straight into `output`: the decode kernel reads and writes rows at any stride, so a decode
-        step copies none of its inputs or its output."""
+        decodes write straight into `output`: the decode kernel reads and writes rows at any stride and takes the
+        decay's logsigmoid itself, so a decode step copies none of its inputs or its output and launches one kernel
+        per layer."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
+        normalizer = self.config.sse_decay_normalizer
         if nd:
             step = {name: t[:nd] for name, t in inputs.items()}
-            kernels.sse_decode(state, slots[:nd], **step, **self.ops, out=output[:nd], impl=self.decode_impl)
+            kernels.sse_decode(state, slots[:nd], **step, log_decay=decay_logits[:nd], decay_normalizer=normalizer,
+                               **self.ops, out=output[:nd], impl=self.decode_impl)
         if npf:
             qsl = metadata.query_start_loc[nd:nd + npf + 1]
             prefill_slots = slots[nd:nd + npf].long()
             prefill = {name: t[nd:][None] for name, t in inputs.items()}
+            prefill["log_decay"] = sse_math.log_decay(decay_logits[nd:], normalizer)[None]
             o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)

@@ -345,28 +345,38 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     assert torch.equal(cache[untouched], state[untouched]), "slots outside the batch changed"
 
 
+@pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_decode_reads_packed_rows_and_writes_into_out(device, impl):
+def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay):
     """The vLLM layout: every input a view into one packed [B, width] projection buffer (token stride = width),
-    the output rows of a larger buffer. Same result as contiguous inputs, written in place, nothing else touched."""
+    the output rows of a larger buffer, and (as vLLM passes them) raw decay logits with `decay_normalizer`. Same
+    result as contiguous float64 inputs with log a = logsigmoid(x) / 16 given, written in place, nothing else
+    touched. The decay logits run from -30 to 30 (both branches of the kernel's logsigmoid)."""
     from kernels import sse_decode
     H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
     N, K, B = 4, 2, 5
     slots = torch.tensor([3, -1, 0, 6, 2], device=device)
-    sizes = [H * c, H * c, H * dv, H * c, N, H * c, H * c]   # q, k, v, log decay, router, q_shared, k_shared
-    packed = torch.randn(B, sum(sizes), device=device, dtype=BF16)
+    sizes = [H * c, H * c, H * dv, H * c, N, H * c, H * c]   # q, k, v, decay, router, q_shared, k_shared
+    packed = torch.randn(B, sum(sizes), device=device, dtype=F32 if decay == "logits" else BF16)
     parts = packed.split(sizes, -1)
     names = ["q", "k_logits", "v", "log_decay", "router_logits", "q_shared", "k_shared_logits"]
     views = {n: p if n == "router_logits" else p.view(B, H, -1) for n, p in zip(names, parts)}
-    views["log_decay"] = -views["log_decay"].float().abs() / 16
+    views["log_decay"].copy_(torch.linspace(-30, 30, H * c, device=device).view(H, c)[None])
+    log_decay = torch.nn.functional.logsigmoid(views["log_decay"].double()) / 16
+    fused = dict(decay_normalizer=16.0) if decay == "logits" else {}
+    if not fused:
+        views["log_decay"] = log_decay.float()
     assert not views["q"].is_contiguous()
-    state = torch.randn(8, H, N + 1, c, dv, device=device)
+    state = torch.randn(8, H, N + 1, c, dv, device=device, dtype=torch.float64)
     expect_state = state.clone()
-    expect = sse_decode(expect_state, slots, **{n: x.contiguous() for n, x in views.items()}, top_k=K, impl=impl)
-    buffer = torch.full((B + 2, H, dv), 7.0, device=device, dtype=BF16)
-    returned = sse_decode(state, slots, **views, top_k=K, out=buffer[1:B + 1], impl=impl)
+    given = {n: x.double().contiguous() for n, x in views.items()} | dict(log_decay=log_decay)
+    expect = sse_decode(expect_state, slots, **given, top_k=K, impl="torch")
+    state = state.float()
+    buffer = torch.full((B + 2, H, dv), 7.0, device=device, dtype=packed.dtype)
+    returned = sse_decode(state, slots, **views, top_k=K, out=buffer[1:B + 1], impl=impl, **fused)
     assert returned.data_ptr() == buffer[1].data_ptr()
-    assert torch.equal(buffer[1:B + 1], expect) and torch.equal(state, expect_state)
+    errors = {"o": rel_err(buffer[1:B + 1], expect), "state": rel_err(state, expect_state)}
+    assert errors["state"] < 1e-5 and errors["o"] < (1e-5 if packed.dtype == F32 else 1e-2), errors
     assert bool((buffer[0] == 7).all() and (buffer[B + 1] == 7).all()), "rows outside out were written"
 
 

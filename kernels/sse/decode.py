@@ -4,17 +4,21 @@ Torch twin of the fused Triton decode kernel (same signature); it serves the CPU
 Only the K selected partitions and the shared one are read and written.
 """
 import torch
+import torch.nn.functional as F
 
 from kernels.sse.routing import route, softmax_keys
 
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                     k_shared_logits=None, row_topk=None, scale=None, out=None):
+                     k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None):
     """state [num_slots, H, N + shared, c, d_v] (float32, float64, or bfloat16, updated in place); q, k_logits,
     log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
     Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given. The step is computed
     in float32 at least (float64 for a float64 state); a bfloat16 state is rounded once, when it is written back,
-    as the Triton kernel does."""
+    as the Triton kernel does. With `decay_normalizer`, `log_decay` holds the decay logits x and the step uses
+    log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in vLLM)."""
+    if decay_normalizer is not None:
+        log_decay = F.logsigmoid(log_decay.to(torch.promote_types(state.dtype, torch.float32))) / decay_normalizer
     if out is not None:
         return out.copy_(sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                           q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,

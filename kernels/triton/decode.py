@@ -29,10 +29,18 @@ def _update(state_ptr, tile, mask, decay, key, v, q):
 
 
 @triton.jit
-def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale, H, C, V,
-                   N, stride_slot, stride_head, stride_part, stride_row, stride_col, row_q, row_k, row_v, row_g,
-                   row_e, row_qs, row_ks, row_o, K: tl.constexpr,
-                   SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr,
+def _logsigmoid(x):
+    """log sigmoid(x) = min(x, 0) - log(1 + e), e = exp(-|x|); the log's series where e is small keeps the
+    relative accuracy of tiny log-decays (x >> 0), which log(1 + e) in float32 rounds away."""
+    e = tl.exp(-tl.abs(x))
+    return tl.minimum(x, 0.0) - tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e / 3.0)), tl.log(1.0 + e))
+
+
+@triton.jit
+def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale,
+                   decay_normalizer, H, C, V, N, stride_slot, stride_head, stride_part, stride_row, stride_col,
+                   row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
+                   SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -47,6 +55,8 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     keys, keep = softmax_keys(tl.load(k_ptr + b * row_k + hc, mask=c < C, other=0.0).to(tl.float32), c < C,
                               ROW_TOPK, BLOCK_C)
     g = tl.load(g_ptr + b * row_g + hc, mask=c < C, other=0.0).to(tl.float32)
+    if DECAY_LOGITS:
+        g = _logsigmoid(g) / decay_normalizer
     q = tl.load(q_ptr + b * row_q + hc, mask=c < C, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
     logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)
@@ -90,11 +100,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                      k_shared_logits=None, row_topk=None, scale=None, out=None):
+                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
     bfloat16 (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
+    With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
     Slot ids must be distinct (two programs writing one state would race)."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
@@ -119,7 +130,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B, H, triton.cdiv(V, block_v))](
-            state, slot_ids.contiguous(), *args, *shared_args, out, scale, H, C, V, N, *state.stride(),
-            *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
-            block_c, block_v, triton.next_power_of_2(N), num_warps=4)
+            state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
+            *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
+            decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N), num_warps=4)
     return out
