@@ -1,7 +1,7 @@
 """Where one decode step of a rollout batch goes, in vLLM with its default compiled engine (CUDA graphs on).
 
     python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--shape small|1b] [--batch 256]
-                                        [--state-dtype auto|bfloat16] [--out DIR]
+                                        [--state-dtype auto|bfloat16] [--out DIR] [--wall-only]
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch.profiler sees its kernels. It prints
 (1) the decode step's wall time, from two runs that differ only in their number of new tokens, and (2) the GPU
@@ -46,6 +46,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--state-dtype", default="auto", help="vLLM's mamba_ssm_cache_dtype (SSE-H only)")
     p.add_argument("--out", type=Path, default=Path("/tmp"))
+    p.add_argument("--wall-only", action="store_true", help="only the decode step's wall time (an A/B of two trees)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -78,9 +79,13 @@ def main():
     step_ms = (long - short) / 256 * 1e3
     name = args.model + ("" if args.state_dtype == "auto" else f" ({args.state_dtype} states)")
     state_dtype = torch.float32 if args.state_dtype == "auto" else getattr(torch, args.state_dtype)
-    lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads, state_dtype=state_dtype)] if sse else []
+    lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads, state_dtype=state_dtype)] \
+        if sse and not args.wall_only else []
     lines += [f"{name} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms of wall time "
               f"({args.batch / step_ms * 1e3:,.0f} tokens/s in steady decode); 32 tokens took {short:.2f} s"]
+    if args.wall_only:
+        print(lines[-1], flush=True)
+        return
     # Kernels of 32 decode steps alone: a 65-token run minus a 33-token run (same prefill, same prompts).
     base, more = kernel_times(run, 33), kernel_times(run, 65)
     per_step = {k: ((n - base.get(k, (0, 0))[0]) / 32, (ms - base.get(k, (0, 0.0))[1]) / 32)
