@@ -563,6 +563,10 @@ def _check(cfg: Config) -> None:
             f"rollout batch could not resume exactly), got {save_steps}", ["grpo.num_iterations"])
     require(trl["max_completion_length"] is not None, "grpo.max_completion_length",
             "must be set: it sizes the rollout engine's context")
+    sft_trl = cfg.sft.trl
+    require(not sft_trl.get("padding_free") or sft_trl.get("packing") or sft_trl.get("max_length") is None,
+            "sft.max_length", f"must be null with padding_free and no packing (TRL truncates nothing then), got "
+            f"{sft_trl.get('max_length')}", ["sft.padding_free", "sft.packing"])
     for stage, settings in (("sft", cfg.sft), ("grpo", g)):
         ratio = settings.warmup_ratio
         require(0 <= ratio < 1, f"{stage}.warmup_ratio", f"must be in [0, 1), got {ratio}")

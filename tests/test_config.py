@@ -110,6 +110,8 @@ BAD = [
     ("grpo: {warmup_ratio: 0.1}", "grpo.warmup_ratio: the constant schedule ignores warmup: use lr_scheduler: "
      "constant_with_warmup"),
     ("sft: {warmup_ratio: 1.5}", "sft.warmup_ratio: must be in [0, 1), got 1.5"),
+    ("sft: {padding_free: true, max_length: 128}", "sft.max_length: must be null with padding_free and no packing "
+     "(TRL truncates nothing then), got 128"),
     ("grpo: {num_iterations: 4, save_steps: 10}", "grpo.save_steps: must be a multiple of num_iterations=4 (a "
      "checkpoint between two updates on one rollout batch could not resume exactly), got 10"),
 ]

@@ -338,7 +338,7 @@ TINIER = [
     "model.config.layer_types=[linear_attention,full_attention]", "model.config.num_attention_heads=1",
     "model.config.num_key_value_heads=1", "model.config.head_dim=32", "model.config.sse_num_heads=2",
     "model.config.sse_key_dim=16", "model.config.sse_value_dim=16", "model.config.sse_lora_rank=4",
-    "data.sft.generator.num_examples=64", "sft.per_device_batch_size=4", "sft.max_length=128",
+    "data.sft.generator.num_examples=64", "sft.per_device_batch_size=4",
     "sft.max_steps=4", "sft.save_steps=1",
 ]
 
