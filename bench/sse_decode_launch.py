@@ -2,9 +2,10 @@
 
     python bench/sse_decode_launch.py [--batch 256] [--heads 16] [--out bench/results]
 
-Launches `kernels.triton.decode._decode_kernel` as `sse_decode_triton` does (K = 1 + shared, c = d_v = 128, bf16
-inputs), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state traffic (the two
-touched states, read and written). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB
+Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v = 128, bf16 inputs and decay
+logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
+traffic (the two touched states, read and written; the 2026-11-24 results predate the fused decay and passed
+log-decays). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB
 state tile per program, 4 warps); rerun it on a new GPU kind before changing that rule.
 """
 import argparse
@@ -20,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def decode_case(batch, H, N=4, c=128, dv=128, state_dtype=torch.float32):
-    """One decode step's state cache (the batch's slots spread over twice as many) and bf16 inputs, named as
-    `kernels.sse_decode` takes them. Returns (state, slots, inputs)."""
+    """One decode step's state cache (the batch's slots spread over twice as many) and bf16 inputs, decay logits
+    with their normalizer as vLLM passes them, named as `kernels.sse_decode` takes them. Returns (state, slots,
+    inputs)."""
     state = torch.zeros(2 * batch, H, N + 1, c, dv, device="cuda", dtype=state_dtype)
     slots = torch.randperm(2 * batch, device="cuda")[:batch].int()
     inputs = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
               for name in ("q", "k_logits", "q_shared", "k_shared_logits")}
     inputs["v"] = torch.randn(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    inputs["log_decay"] = -torch.rand(batch, H, c, device="cuda") / 16
+    inputs["log_decay"] = torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16) + 4  # decay logits
+    inputs["decay_normalizer"] = 16.0
     inputs["router_logits"] = torch.randn(batch, N, device="cuda", dtype=torch.bfloat16)
     return state, slots, inputs
 
@@ -48,18 +51,11 @@ def state_bytes(state, batch) -> int:
 
 
 def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float]:
-    """(us per layer, GB/s of state traffic) of `_decode_kernel` launched with BLOCK_V and warps."""
-    from kernels.triton.decode import _decode_kernel
+    """(us per layer, GB/s of state traffic) of the decode kernel launched with BLOCK_V and warps."""
+    from kernels.triton import sse_decode_triton
     state, slots, x = decode_case(batch, H, N, c, dv, dtype)
-    args = [x[name] for name in ("q", "k_logits", "v", "log_decay", "router_logits", "q_shared", "k_shared_logits")]
     out = torch.empty(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        _decode_kernel[(batch, H, triton.cdiv(dv, block_v))](
-            state, slots, *args, out, c**-0.5, H, c, dv, N, *state.stride(),
-            *(t.stride(0) for t in (*args, out)), 1, True, 0, c, block_v, triton.next_power_of_2(N),
-            num_warps=warps)
-    ms = replay_ms(step)
+    ms = replay_ms(lambda: sse_decode_triton(state, slots, **x, top_k=1, out=out, block_v=block_v, num_warps=warps))
     return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 

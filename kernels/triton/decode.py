@@ -100,13 +100,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None):
+                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
+                      block_v=None, num_warps=4):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
     bfloat16 (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
-    Slot ids must be distinct (two programs writing one state would race)."""
+    Slot ids must be distinct (two programs writing one state would race). `block_v` (state columns per program)
+    and `num_warps` override the launch, for bench/sse_decode_launch.py's sweep."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
@@ -125,12 +127,12 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
     block_c = triton.next_power_of_2(C)
-    block_v = min(triton.next_power_of_2(V), max(16, 32768 // (block_c * state.element_size())))
+    block_v = block_v or min(triton.next_power_of_2(V), max(16, 32768 // (block_c * state.element_size())))
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B, H, triton.cdiv(V, block_v))](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
             *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
-            decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N), num_warps=4)
+            decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N), num_warps=num_warps)
     return out
