@@ -11,6 +11,7 @@ The math is the one `kernels` operator the HF model uses: `kernels.sse_attention
 prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
 """
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -53,6 +54,13 @@ import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm_engine_config import state_dtype
+
+# Prefills run in groups of sequences whose float32 states (gathered initial states, their copy in the GLA's layout,
+# final states, and the cast back to the cache dtype: PREFILL_STATE_COPIES of them) take at most
+# PREFILL_STATES_BYTES; without a bound a step prefilling hundreds of sequences (the n rollouts of a GRPO batch)
+# needed several GiB per layer outside vLLM's cache (docs/vllm-backend.md, "Prefill memory").
+PREFILL_STATE_COPIES = 4
+PREFILL_STATES_BYTES = 1 << 30
 
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint.
 STACKED_PARAMS = [
@@ -162,9 +170,16 @@ class SSEAttention(nn.Module):
         return out
 
 
+@dataclass
+class SSEStateMetadata(LinearAttentionMetadata):
+    # The prefills' token offsets on the host (num_prefills + 1 of them, from the first prefill token), so the
+    # layer can split the prefills into groups of sequences without reading the device.
+    prefill_token_offsets: list[int] = field(default_factory=list)
+
+
 class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
-    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus zeroed slots for
-    requests that start from scratch.
+    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus the prefills'
+    token offsets on the host and zeroed slots for requests that start from scratch.
 
     A freed slot keeps its last request's state. Zeroing it here, before the forward and from host-side lengths,
     covers one-token prompts too (the batch split counts them as decodes), costs no device sync, and stays out
@@ -173,9 +188,12 @@ class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
     """
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> LinearAttentionMetadata:
+              fast_build: bool = False) -> SSEStateMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
+        nd, npf = metadata.num_decodes, metadata.num_prefills
+        offsets = (m.query_start_loc_cpu[nd:nd + npf + 1] - m.query_start_loc_cpu[nd]).tolist() if npf else []
+        metadata = SSEStateMetadata(**vars(metadata), prefill_token_offsets=offsets)
         if m.is_prefilling is not None:
             query_lens = m.query_start_loc_cpu.diff()
             fresh = m.is_prefilling & (query_lens > 0) & (m.seq_lens_cpu_upper_bound == query_lens)
@@ -276,6 +294,10 @@ class SSELinearAttention(nn.Module):
         self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk)
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
+        self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [H, N + shared, c, d_v]
+        self.state_dtype = state_dtype(vllm_config.cache_config)
+        self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_shape.numel()))
+        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
         # The custom op finds this layer by name in the static forward context.
         context = get_current_vllm_config().compilation_config.static_forward_context
@@ -304,11 +326,9 @@ class SSELinearAttention(nn.Module):
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
         """The custom op's body: `hidden_states` are the packed inputs, `output` gets o [T, H, d_v]."""
         context = get_forward_context()
-        if context.attn_metadata is None:  # profiling / dummy run: no slots
-            return
-        metadata = context.attn_metadata[self.states_name]
-        state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
-        num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
+        metadata = None if context.attn_metadata is None else context.attn_metadata[self.states_name]
+        num_tokens = hidden_states.shape[0] if metadata is None else \
+            metadata.num_decode_tokens + metadata.num_prefill_tokens
         parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
 
         def heads(t):
@@ -316,9 +336,29 @@ class SSELinearAttention(nn.Module):
         inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4])
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        self._recur(inputs, heads(parts[3]), metadata, state, output)
+        if metadata is not None:
+            state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
+            self._recur(inputs, heads(parts[3]), metadata, state, output)
+        elif num_tokens >= self.max_num_batched_tokens and hidden_states.is_cuda:
+            self._profile_prefill(inputs, heads(parts[3]))
+        # other dummy runs (CUDA graph capture, warm-up) have no slots: nothing to do
 
-    def _recur(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor, metadata: LinearAttentionMetadata,
+    def _profile_prefill(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor) -> None:
+        """vLLM sizes its cache from the peak memory of a dummy batch of max_num_batched_tokens tokens, run without
+        slots. Run a full prefill group's work on it (zero states in the cache dtype, the batch split evenly over
+        the group's sequences), so the peak includes what a real prefill step allocates here."""
+        T = decay_logits.shape[0]
+        group = min(self.prefill_group, T)
+        cu_seqlens = torch.arange(group + 1, device=decay_logits.device) * (T // group)
+        cu_seqlens[-1] = T
+        initial = torch.zeros((group, *self.state_shape), dtype=self.state_dtype, device=decay_logits.device)
+        log_decay = sse_math.log_decay(decay_logits, self.config.sse_decay_normalizer)
+        _, final = kernels.sse_attention(**{name: t[None] for name, t in inputs.items()}, log_decay=log_decay[None],
+                                         **self.ops, initial_state=initial.float(), output_final_state=True,
+                                         cu_seqlens=cu_seqlens, impl=self.prefill_impl)
+        final.to(self.state_dtype)
+
+    def _recur(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor, metadata: SSEStateMetadata,
                state: torch.Tensor, output: torch.Tensor) -> None:
         """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
         prefills start from float32 copies of their slots' states). Inputs are views into the packed buffer and
@@ -332,16 +372,19 @@ class SSELinearAttention(nn.Module):
             step = {name: t[:nd] for name, t in inputs.items()}
             kernels.sse_decode(state, slots[:nd], **step, log_decay=decay_logits[:nd], decay_normalizer=normalizer,
                                **self.ops, out=output[:nd], impl=self.decode_impl)
-        if npf:
-            qsl = metadata.query_start_loc[nd:nd + npf + 1]
-            prefill_slots = slots[nd:nd + npf].long()
-            prefill = {name: t[nd:][None] for name, t in inputs.items()}
-            prefill["log_decay"] = sse_math.log_decay(decay_logits[nd:], normalizer)[None]
+        offsets, start = metadata.prefill_token_offsets, metadata.num_decode_tokens
+        for first in range(0, npf, self.prefill_group):  # bounded state memory per group (PREFILL_STATES_BYTES)
+            last = min(first + self.prefill_group, npf)
+            tokens = slice(start + offsets[first], start + offsets[last])
+            qsl = metadata.query_start_loc[nd + first:nd + last + 1]
+            prefill_slots = slots[nd + first:nd + last].long()
+            prefill = {name: t[tokens][None] for name, t in inputs.items()}
+            prefill["log_decay"] = sse_math.log_decay(decay_logits[tokens], normalizer)[None]
             o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)
             state[prefill_slots] = final.to(state.dtype)
-            output[nd:nd + o.shape[1]] = o[0]
+            output[tokens] = o[0]
 
 
 class SSEDecoderLayer(nn.Module):

@@ -69,8 +69,13 @@ def _serve(read_fd: int, write_fd: int) -> None:
     torch.set_num_threads(1)  # in-process engines share the process; on 2 cores 2 OpenMP threads thrash
     from vllm import LLM, SamplingParams
 
+    from sse_model import vllm_model
     from sse_model.vllm_plugin import register
     from sse_model.vllm_sync import logprob_parity, push_weights
+
+    # Prefill groups of 3 sequences for n4k1 (H 2, N + shared 5, c = d_v = 32), 1 for n8k2, 15 for gla: every
+    # multi-prompt batch below is split into groups of sequences, as GPU engines split their big prefill batches.
+    vllm_model.PREFILL_STATES_BYTES = 3 * vllm_model.PREFILL_STATE_COPIES * 4 * (2 * 5 * 32 * 32)
 
     engines, twins, steps = {}, {}, {}
 
@@ -96,7 +101,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
                 n, p = md.num_decodes, md.num_prefills
                 qsl = md.query_start_loc[n:n + p + 1]
                 context = md.seq_lens[n:n + p] - (qsl[1:] - qsl[:-1])
-                steps[name].append((n, p, int(context.max()) if p else 0))
+                steps[name].append((n, p, int(context.max()) if p else 0, layer.prefill_group))
                 return recur(inputs, decay_logits, md, state, output)
             layer._recur = counting
         return [state_of(name, layer).is_contiguous() for layer in layers]
@@ -450,8 +455,18 @@ def test_chunked_prefill_and_mixed_batches_match_one_shot_prefill(greedy_runs, w
     """The n8k2 engine prefills at most 16 tokens per step (so prompts continue from their stored state) next to
     the decodes of other requests; its tokens matched HF's one-shot prefill above. Check those batches happened."""
     steps = worker("steps", "n8k2_row_sparse")
-    assert any(decodes and prefills for decodes, prefills, _ in steps), "no mixed prefill/decode batch"
-    assert any(context > 0 for _, _, context in steps), "no prefill continued from a stored state"
+    assert any(decodes and prefills for decodes, prefills, _, _ in steps), "no mixed prefill/decode batch"
+    assert any(context > 0 for _, _, context, _ in steps), "no prefill continued from a stored state"
+
+
+@pytest.mark.parametrize("name", ["n4k1", "gla"])
+def test_big_prefill_batches_run_in_groups_of_sequences(greedy_runs, worker, name):
+    """The worker bounds a prefill group's states to 3 sequences of n4k1 (15 of gla): the batches of 6 prompts
+    whose tokens matched HF's above ran as several groups (n4k1) or as one (gla)."""
+    steps = worker("steps", name)
+    group = steps[0][3]
+    assert group == {"n4k1": 3, "gla": 15}[name]
+    assert max(prefills for _, prefills, _, _ in steps) == len(PROMPT_LENGTHS) - 1  # a 1-token prompt is a decode
 
 
 def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
