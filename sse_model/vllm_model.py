@@ -295,7 +295,6 @@ class SSELinearAttention(nn.Module):
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
         self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [H, N + shared, c, d_v]
-        self.state_dtype = state_dtype(vllm_config.cache_config)
         self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_shape.numel()))
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
@@ -326,9 +325,17 @@ class SSELinearAttention(nn.Module):
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
         """The custom op's body: `hidden_states` are the packed inputs, `output` gets o [T, H, d_v]."""
         context = get_forward_context()
-        metadata = None if context.attn_metadata is None else context.attn_metadata[self.states_name]
-        num_tokens = hidden_states.shape[0] if metadata is None else \
-            metadata.num_decode_tokens + metadata.num_prefill_tokens
+        if context.attn_metadata is None:  # a dummy run (memory profile, CUDA graph capture, warm-up): no slots
+            if hidden_states.shape[0] >= self.max_num_batched_tokens:
+                # vLLM sizes its cache from the peak memory of this batch (the memory profile): a prefill group's
+                # state copies, allocated here, are in that peak. (Running the group's prefill instead would also
+                # count the GLA's temporaries, but compile and autotune fla's kernels during start-up.)
+                torch.empty(PREFILL_STATE_COPIES * self.prefill_group * self.state_shape.numel(),
+                            dtype=torch.float32, device=hidden_states.device)
+            return
+        metadata = context.attn_metadata[self.states_name]
+        state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
+        num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
         parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
 
         def heads(t):
@@ -336,27 +343,7 @@ class SSELinearAttention(nn.Module):
         inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4])
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        if metadata is not None:
-            state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
-            self._recur(inputs, heads(parts[3]), metadata, state, output)
-        elif num_tokens >= self.max_num_batched_tokens and hidden_states.is_cuda:
-            self._profile_prefill(inputs, heads(parts[3]))
-        # other dummy runs (CUDA graph capture, warm-up) have no slots: nothing to do
-
-    def _profile_prefill(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor) -> None:
-        """vLLM sizes its cache from the peak memory of a dummy batch of max_num_batched_tokens tokens, run without
-        slots. Run a full prefill group's work on it (zero states in the cache dtype, the batch split evenly over
-        the group's sequences), so the peak includes what a real prefill step allocates here."""
-        T = decay_logits.shape[0]
-        group = min(self.prefill_group, T)
-        cu_seqlens = torch.arange(group + 1, device=decay_logits.device) * (T // group)
-        cu_seqlens[-1] = T
-        initial = torch.zeros((group, *self.state_shape), dtype=self.state_dtype, device=decay_logits.device)
-        log_decay = sse_math.log_decay(decay_logits, self.config.sse_decay_normalizer)
-        _, final = kernels.sse_attention(**{name: t[None] for name, t in inputs.items()}, log_decay=log_decay[None],
-                                         **self.ops, initial_state=initial.float(), output_final_state=True,
-                                         cu_seqlens=cu_seqlens, impl=self.prefill_impl)
-        final.to(self.state_dtype)
+        self._recur(inputs, heads(parts[3]), metadata, state, output)
 
     def _recur(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor, metadata: SSEStateMetadata,
                state: torch.Tensor, output: torch.Tensor) -> None:
