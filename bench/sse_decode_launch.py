@@ -4,9 +4,9 @@
 
 Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v = 128, bf16 inputs and decay
 logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
-traffic (the two touched states, read and written; the 2026-11-24 results predate the fused decay and passed
-log-decays). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB
-state tile per program, 4 warps); rerun it on a new GPU kind before changing that rule.
+traffic (the two touched states, read and written). `sse_decode_triton` uses the launch this sweep found best on an
+H100, before and after the decay was fused into the kernel (a 32 KB state tile per program, 4 warps;
+bench/results/sse_decode_launch_20261124{,b}.md); rerun it on a new GPU kind before changing that rule.
 """
 import argparse
 import json
