@@ -252,9 +252,10 @@ class SSELinearAttention(nn.Module):
 
     The projections run in the compiled graph and go packed into the opaque custom op, which owns the state:
     one step's batch holds decodes first (one token each), then prefills. Decodes go through
-    `kernels.sse_decode` on their slots in place; all prefills go through one varlen `kernels.sse_attention`
-    call from their slots' states, which get the final states back, so chunked prefill and prefix-cache hits
-    continue where the previous step stopped (slots of new requests are zeroed by `SSEStateMetadataBuilder`).
+    `kernels.sse_decode` on their slots in place; prefills go through varlen `kernels.sse_attention` calls (one
+    per group of sequences, `PREFILL_STATES_BYTES`) from their slots' states, which get the final states back, so
+    chunked prefill and prefix-cache hits continue where the previous step stopped (slots of new requests are
+    zeroed by `SSEStateMetadataBuilder`).
     """
 
     def __init__(self, config: SSEConfig, vllm_config: VllmConfig, prefix: str):
