@@ -73,9 +73,10 @@ def _serve(read_fd: int, write_fd: int) -> None:
     from sse_model.vllm_plugin import register
     from sse_model.vllm_sync import logprob_parity, push_weights
 
-    # Prefill groups of 3 sequences for n4k1 (H 2, N + shared 5, c = d_v = 32), 1 for n8k2, 15 for gla: every
+    # Prefill groups of 3 sequences for n4k1 (N + shared = 5 partitions), 1 for n8k2, 15 for gla: every
     # multi-prompt batch below is split into groups of sequences, as GPU engines split their big prefill batches.
-    vllm_model.PREFILL_STATES_BYTES = 3 * vllm_model.PREFILL_STATE_COPIES * 4 * (2 * 5 * 32 * 32)
+    n4k1_state = BASE["sse_num_heads"] * 5 * BASE["sse_key_dim"] * BASE["sse_value_dim"]
+    vllm_model.PREFILL_STATES_BYTES = 3 * vllm_model.PREFILL_STATE_COPIES * 4 * n4k1_state
 
     engines, twins, steps = {}, {}, {}
 
