@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.triton import chunk, sse_decode_triton
 from kernels.triton.expand import expand
+from kernels.triton.indexed_chunk import sse_triton_indexed
 from kernels.triton.routing import route_varlen
 
 H, C, DV = 16, 128, 128
@@ -60,20 +61,21 @@ def sse_inputs(T, N):
                 k_shared_logits=bf16_leaf(1, T, H, C))
 
 
-def time_sse(fn, T, N, K=1):
+def time_sse(fn, T, N, K=1, backward=True):
     ins = sse_inputs(T, N)
     do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
 
     def step():
         o, _ = fn(**ins, top_k=K)
-        o.backward(do)
+        if backward:
+            o.backward(do)
     ms = median_ms(step, grad_to_none=list(ins.values()))
     ins.clear()  # frees the inputs before the cache is emptied
     free()
     return ms
 
 
-def time_gla(T):
+def time_gla(T, backward=True):
     from fla.ops.gla import chunk_gla
     q, k, v = bf16_leaf(1, T, H, C), bf16_leaf(1, T, H, C), bf16_leaf(1, T, H, DV)
     g = (F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).requires_grad_()
@@ -81,7 +83,8 @@ def time_gla(T):
 
     def step():
         o, _ = chunk_gla(q, k, v, g)
-        o.backward(do)
+        if backward:
+            o.backward(do)
     ms = median_ms(step, grad_to_none=[q, k, v, g])
     free()
     return ms
@@ -100,14 +103,19 @@ def time_sdpa(T):
     return ms
 
 
-def training_vs_T(lengths):
+def training_vs_T(lengths, fla_layouts=True):
+    """fla_layouts=False leaves out the varlen and mask paths: on a fresh node fla autotunes their kernels for
+    several minutes per head count."""
     rows = []
     for T in lengths:
-        row = {"T": T, "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, 4),
-               "sse_mask_ms": time_sse(chunk.sse_triton_mask, T, 4), "gla_ms": time_gla(T),
-               "sdpa_flash_ms": time_sdpa(T)}
-        row["varlen_over_gla"] = row["sse_varlen_ms"] / row["gla_ms"]
-        row["sdpa_over_varlen"] = row["sdpa_flash_ms"] / row["sse_varlen_ms"]
+        row = {"T": T, "sse_indexed_ms": time_sse(sse_triton_indexed, T, 4), "gla_ms": time_gla(T),
+               "sdpa_flash_ms": time_sdpa(T), "sse_indexed_fwd_ms": time_sse(sse_triton_indexed, T, 4, backward=False),
+               "gla_fwd_ms": time_gla(T, backward=False)}
+        if fla_layouts:
+            row |= {"sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, 4),
+                    "sse_mask_ms": time_sse(chunk.sse_triton_mask, T, 4)}
+        row["indexed_over_gla"] = row["sse_indexed_ms"] / row["gla_ms"]
+        row["sdpa_over_indexed"] = row["sdpa_flash_ms"] / row["sse_indexed_ms"]
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -116,7 +124,8 @@ def training_vs_T(lengths):
 def scaling_with_N(T, partitions):
     rows = []
     for N in partitions:
-        row = {"N": N, "T": T, "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, N)}
+        row = {"N": N, "T": T, "sse_indexed_ms": time_sse(sse_triton_indexed, T, N),
+               "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, N)}
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -197,15 +206,25 @@ def markdown(result):
              f"{result['copy_bandwidth_GB_per_s']:.0f} GB/s (read + write)."]
     if "training" in result:
         lines += ["", "## Training op, forward + backward, N = 4, K = 1 + shared", "",
-                  "| T | SSE varlen ms | SSE mask ms | GLA (fla) ms | SDPA flash ms | varlen / GLA | SDPA / varlen |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['T']} | {r['sse_varlen_ms']:.2f} | {r['sse_mask_ms']:.2f} | {r['gla_ms']:.2f} | "
-                  f"{r['sdpa_flash_ms']:.2f} | {r['varlen_over_gla']:.2f} | {r['sdpa_over_varlen']:.1f} |"
-                  for r in result["training"]]
+                  "SSE indexed = our chunk kernels (kernels/triton/indexed_chunk.py); varlen and mask = our routing "
+                  "and gather around fla's `chunk_gla`; GLA = fla `chunk_gla` on T tokens; SDPA on contiguous "
+                  "[B, H, T, D]. fwd = forward alone.", "",
+                  "| T | SSE indexed ms | SSE varlen ms | SSE mask ms | GLA (fla) ms | SDPA flash ms | indexed / GLA | "
+                  "varlen / GLA | SDPA / indexed | indexed fwd ms | GLA fwd ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        def ms(r, key):
+            return f"{r[key]:.2f}" if key in r else "-"
+
+        def varlen_over_gla(r):
+            return f"{r['sse_varlen_ms'] / r['gla_ms']:.2f}" if "sse_varlen_ms" in r else "-"
+        lines += [f"| {r['T']} | {r['sse_indexed_ms']:.2f} | {ms(r, 'sse_varlen_ms')} | {ms(r, 'sse_mask_ms')} | "
+                  f"{r['gla_ms']:.2f} | {r['sdpa_flash_ms']:.2f} | {r['indexed_over_gla']:.2f} | "
+                  f"{varlen_over_gla(r)} | {r['sdpa_over_indexed']:.1f} | {r['sse_indexed_fwd_ms']:.2f} | "
+                  f"{r['gla_fwd_ms']:.2f} |" for r in result["training"]]
     if "scaling_N" in result:
-        lines += ["", f"## SSE varlen vs N, K = 1 + shared, T = {result['scaling_N'][0]['T']}", "",
-                  "| N | SSE varlen ms |", "| --- | --- |"]
-        lines += [f"| {r['N']} | {r['sse_varlen_ms']:.2f} |" for r in result["scaling_N"]]
+        lines += ["", f"## SSE vs N, K = 1 + shared, T = {result['scaling_N'][0]['T']}", "",
+                  "| N | SSE indexed ms | SSE varlen ms |", "| --- | --- | --- |"]
+        lines += [f"| {r['N']} | {r['sse_indexed_ms']:.2f} | {r['sse_varlen_ms']:.2f} |" for r in result["scaling_N"]]
     if "varlen_breakdown" in result:
         b = result["varlen_breakdown"]
         lines += ["", f"## Varlen breakdown, T = {b['T']}", "",
@@ -230,6 +249,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--lengths", default="1024,4096,16384,65536,131072")
+    parser.add_argument("--sections", default="training,scaling_N,varlen_breakdown,decode")
+    parser.add_argument("--no-fla-layouts", action="store_true", help="training rows without the varlen/mask paths")
     args = parser.parse_args()
     import fla
     torch.manual_seed(0)
@@ -241,11 +262,14 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"sse_gpu_{result['date']}"
-    sections = [("training", lambda: training_vs_T([int(t) for t in args.lengths.split(",")])),
+    sections = [("training", lambda: training_vs_T([int(t) for t in args.lengths.split(",")],
+                                                   fla_layouts=not args.no_fla_layouts)),
                 ("scaling_N", lambda: scaling_with_N(16384, [1, 2, 4, 8, 16])),
                 ("varlen_breakdown", lambda: varlen_breakdown(65536)),
                 ("decode", lambda: decode([1, 64, 256, 1024], bw))]
     for name, measure in sections:  # saved after each section, so a cut-off run keeps what it measured
+        if name not in args.sections.split(","):
+            continue
         result[name] = measure()
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
         stem.with_suffix(".md").write_text(markdown(result))

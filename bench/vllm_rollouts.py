@@ -98,7 +98,7 @@ def worker(args) -> None:
         return tokens / elapsed, elapsed
 
     # Warm-up: first prefill and sampling (kernel compilation and tuning), and a prefill-only batch, whose kernels
-    # (a different SSE layout: dispatch.TRITON_VARLEN_MIN_TOKENS) fla otherwise tunes inside the timed probe.
+    # would otherwise compile inside the timed probe.
     run(args.prompts, 64)
     run(args.prompts, 1)
     speed = {}

@@ -22,6 +22,7 @@ IMPLEMENTATIONS = {
     "chunk_torch_mask": sse_chunk_mask,
     "triton_varlen": _lazy("kernels.triton.chunk", "sse_triton_varlen"),
     "triton_mask": _lazy("kernels.triton.chunk", "sse_triton_mask"),
+    "triton_indexed": _lazy("kernels.triton.indexed_chunk", "sse_triton_indexed"),
 }
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
 
@@ -60,21 +61,16 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
                              f"got {tuple(initial_state.shape)}")
 
 
-# Tokens per call from which the Triton varlen layout beats the mask one on GPU. Measured on an H200
-# (bench/results/sse_gpu_2026-11-21.md, N = 4, K = 1 + shared, fwd+bwd): mask 1.89 / 4.25 ms, varlen 2.84 /
-# 3.10 ms at 1k / 4k tokens; the lines cross at ~2.4k. Varlen pays a fixed ~2.7 ms (fla's varlen grid sizing
-# synchronises with the host and exposes the launch latency); the mask path's work grows with N + 1.
-TRITON_VARLEN_MIN_TOKENS = 2400
-
-
 @functools.cache
 def _installed(*modules: str) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
-def pick_implementation(device: torch.device, num_tokens: int | None = None) -> str:
-    if device.type == "cuda" and _installed("triton", "fla"):
-        return "triton_varlen" if num_tokens is None or num_tokens >= TRITON_VARLEN_MIN_TOKENS else "triton_mask"
+def pick_implementation(device: torch.device) -> str:
+    # On GPU our indexed chunk kernels beat the layouts around fla's chunk_gla at every length measured, from 1k
+    # tokens (no host synchronisation, so no fixed cost) to 64k (no materialised rows); kernels/NOTES.md.
+    if device.type == "cuda" and _installed("triton"):
+        return "triton_indexed"
     # On CPU the varlen layout wins at every size measured: its work grows with K + 1, the mask's with N + 1
     # (bench/results/sse_cpu_*.json from `python bench/sse_op_cpu.py`).
     return "chunk_torch_varlen"
@@ -92,7 +88,7 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
                   initial_state, cu_seqlens)
     if impl == "auto":
-        impl = pick_implementation(q.device, q.shape[0] * q.shape[1])
+        impl = pick_implementation(q.device)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE implementation {impl!r}; known: {sorted(IMPLEMENTATIONS)} or 'auto'")
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,

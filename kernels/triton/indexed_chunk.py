@@ -1,0 +1,471 @@
+"""The SSE training operator of our own: chunked GLA kernels that load the routed rows by index.
+
+The varlen layout (docs/model.md, "Equivalences") runs GLA over rows grouped by (segment, partition), K + shared
+rows per token. `chunk.py` materialises those rows and hands them to fla's `chunk_gla`; here every kernel reads
+a row straight from the token tensors through `row_token` (row -> token, from the counting sort in routing.py)
+and builds it on the fly: w_p q, w_p softmax(k_logits), v, log-decay masked to the kept key rows (routed), or
+the shared partition's q_shared, softmax(k_shared_logits) -- the same rows `expand.py` writes. No host
+synchronisation: grids are sized from host-side bounds (rows, groups), and programs past the last chunk exit.
+
+Per chunk of BT rows of one group (b = in-chunk cumulative log decay, b_last its last row, scale folded into q):
+    A = tril((q e^b) (k e^-b)^T)         o = A v + (q e^b) h        h' = e^b_last h + (k e^(b_last - b))^T v
+The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIMIT take the pairwise form
+sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
+
+Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks):
+- forward  `_states` [NV, H, G] (sequential over a group's chunks): the state before every chunk + final state;
+           `_output` [NC, H, NV]: o rows; `collect` (expand.py) sums a token's rows.
+- backward `_states` again (recomputed, not saved), `_state_grads` [NV, H, G] (reverse): dh after every chunk,
+           dh0, and sum_v(h_after * dh_after) for the decay gradient; `_dv` [NC, H, NV], `_dq` [NC, H],
+           `_dk_dg` [NC, H]: row gradients; `_expand_bwd_kernel` (expand.py) reduces them to the token inputs.
+The decay gradient uses dg_t = sum over u >= t of (q_u dq_u - k_u dk_u) within the chunk, plus
+sum_v(h_after * dh_after): everything after the chunk sees this chunk's decays only through h_after.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import router_softmax, softmax_keys
+from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
+from kernels.triton.routing import route_varlen
+
+CHUNK = 64               # rows per chunk
+# Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
+FACTORISED_LIMIT = tl.constexpr(60.0)
+
+
+@triton.jit
+def _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT: tl.constexpr):
+    """The rows of chunk slot `cid`: group, its partition-major index pieces, row ids, liveness, tokens."""
+    g = tl.load(chunk_group_ptr + cid)
+    gs = tl.minimum(g, G - 1)  # slots past the last chunk read a real group and are masked off by `live`
+    start = tl.load(cu_ptr + gs) + (cid - tl.load(chunk_first_ptr + gs)) * BT
+    r = start + tl.arange(0, BT)
+    end = tl.where(g < G, tl.load(cu_ptr + gs + 1), 0)
+    live = r < end
+    tok = tl.load(row_token_ptr + r, mask=live, other=0).to(tl.int64)
+    return gs, r.to(tl.int64), live, tok
+
+
+@triton.jit
+def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
+                BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(scale * q_row, k_row, b, b_last) [BT, BLOCK_C] in float32 for rows of partition `part` (N = shared), from
+    the token tensors of `_keys_kernel` (keys, decays masked to the kept key rows). Dead rows give zeros (and zero
+    decay, so b is flat past a group's last row)."""
+    c = tl.arange(0, BLOCK_C)[None, :]
+    n = tl.arange(0, BLOCK_N)[None, :]
+    m = live[:, None] & (c < C)
+    hc = tok[:, None] * H * C + h * C + c
+    if part == N:
+        q = tl.load(qs_ptr + hc, mask=m, other=0.0).to(tl.float32) * scale
+        k = tl.load(ks_ptr + hc, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(gs_ptr + hc, mask=m, other=0.0).to(tl.float32)
+    else:
+        p = router_softmax(tl.load(e_ptr + tok[:, None] * N + n, mask=live[:, None] & (n < N), other=0.0)
+                           .to(tl.float32), n, N)
+        w = tl.sum(tl.where(n == part, p, 0.0), 1)[:, None]
+        q = tl.load(q_ptr + hc, mask=m, other=0.0).to(tl.float32) * (w * scale)
+        k = tl.load(k_ptr + hc, mask=m, other=0.0).to(tl.float32) * w
+        g = tl.load(g_ptr + hc, mask=m, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    return q, k, b, _row_of(b, BT - 1, BT)
+
+
+@triton.jit
+def _row_of(x, i, BT: tl.constexpr):
+    """Row i of a register tile [BT, D] -> [D]."""
+    return tl.sum(tl.where(tl.arange(0, BT)[:, None] == i, x, 0.0), 0)
+
+
+@triton.jit
+def _scores(q, k, b, dtype, BT: tl.constexpr):
+    """A = tril(sum_c q_tc k_sc e^(b_tc - b_sc)) [BT, BT]."""
+    t = tl.arange(0, BT)[:, None]
+    s = tl.arange(0, BT)[None, :]
+    if tl.min(b) > -FACTORISED_LIMIT:
+        A = tl.dot((q * tl.exp(b)).to(dtype), tl.trans((k * tl.exp(-b)).to(dtype)))
+    else:
+        A = tl.zeros([BT, BT], tl.float32)
+        for j in range(BT):
+            col = tl.sum(q * _row_of(k, j, BT)[None, :] * tl.exp(tl.minimum(b - _row_of(b, j, BT)[None, :], 0.0)), 1)
+            A = tl.where(s == j, col[:, None], A)
+    return tl.where(t >= s, A, 0.0)
+
+
+@triton.jit
+def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_kept_ptr, H, C, ROW_TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Per token, all heads: keys = softmax_keys(k_logits), and (row-sparse) the log-decay masked to the kept
+    rows. Computed once per call instead of in every chunk kernel."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    c = tl.arange(0, BLOCK_C)[None, :]
+    m = (h < H) & (c < C)
+    hc = t * H * C + h * C + c
+    keys, keep = softmax_keys(tl.load(k_ptr + hc, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+    tl.store(keys_ptr + hc, keys.to(keys_ptr.dtype.element_ty), mask=m)
+    if ROW_TOPK > 0:
+        tl.store(g_kept_ptr + hc, tl.where(keep, tl.load(g_ptr + hc, mask=m, other=0.0), 0.0), mask=m)
+
+
+@triton.jit
+def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
+                       qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, scale, QUERY: tl.constexpr,
+                       BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What one chunk adds to the state, before `_scan_kernel` chains the chunks: (k e^(b_last - b))^T v going
+    forward (x = v), or (q e^b)^T do going backward (QUERY, x = do); and the chunk's decay b_last."""
+    cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
+    if tl.max(live.to(tl.int32)) == 0:
+        return
+    q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
+                                     scale, BT, BLOCK_C, BLOCK_N)
+    c = tl.arange(0, BLOCK_C)
+    d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    x = tl.load(x_ptr + tok[:, None] * H * V + h * V + d, mask=live[:, None] & (d < V), other=0.0)
+    if QUERY:
+        side = q * tl.exp(b)
+    else:
+        side = k * tl.exp(b_last[None, :] - b)
+    tl.store(out_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, tl.dot(tl.trans(side.to(x.dtype)), x),
+             mask=(c[:, None] < C) & (d < V))
+    if vb == 0:
+        tl.store(decay_ptr + (h * NC + cid) * C + c, b_last, mask=c < C)
+
+
+@triton.jit
+def _scan_at(first, n_chunks, i, h, NC, REVERSE: tl.constexpr):
+    """Row (h, chunk) of the scan's i-th step in the [H, NC] chunk layout."""
+    if REVERSE:
+        cid = first + n_chunks - 1 - i
+    else:
+        cid = first + i
+    return h * NC + cid
+
+
+@triton.jit
+def _scan_load(x_ptr, decay_ptr, first, n_chunks, i, h, NC, H, C, V, cv, c, m, REVERSE: tl.constexpr):
+    """(x, b_last) of the scan's i-th step. Steps past the group's end re-read a real row (never used), so the
+    loads need no mask beyond the tile's."""
+    at = _scan_at(first, n_chunks, tl.minimum(i, n_chunks - 1), h, NC, REVERSE)
+    at = tl.minimum(tl.maximum(at, 0), H * NC - 1)
+    return tl.load(x_ptr + at * C * V + cv, mask=m, other=0.0), tl.load(decay_ptr + at * C + c, mask=c < C, other=0.0)
+
+
+@triton.jit
+def _scan_kernel(x_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr, NC, H, C, V, P,
+                 HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Chains a group's chunks in place, elementwise over a [BLOCK_C, BLOCK_V] tile of the state:
+    forward, x[c] = chunk c's update in, the state before chunk c out (h' = e^b_last h + update);
+    REVERSE, x[c] = (q e^b)^T do in, the gradient of the state after chunk c out (dh = e^b_last dh' + x[c]).
+    init = h0 / d final state (optional), last = final state / d h0; layout [S, H, P, C, V]."""
+    tile, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    tiles_v = tl.cdiv(V, BLOCK_V)
+    c = (tile // tiles_v) * BLOCK_C + tl.arange(0, BLOCK_C)
+    d = (tile % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cv = c[:, None] * V + d[None, :]
+    m = (c[:, None] < C) & (d[None, :] < V)
+    state_at = (((g // P) * H + h) * P + g % P) * C * V
+    state = tl.zeros([BLOCK_C, BLOCK_V], tl.float32)
+    if HAS_INIT:
+        state = tl.load(init_ptr + state_at + cv, mask=m, other=0.0).to(tl.float32)
+    first = tl.load(chunk_first_ptr + g)
+    n_chunks = tl.load(chunk_first_ptr + g + 1) - first
+    # Each step only waits on loads issued two steps earlier: the chain is latency-bound otherwise.
+    x0, d0 = _scan_load(x_ptr, decay_ptr, first, n_chunks, 0, h, NC, H, C, V, cv, c, m, REVERSE)
+    x1, d1 = _scan_load(x_ptr, decay_ptr, first, n_chunks, 1, h, NC, H, C, V, cv, c, m, REVERSE)
+    for i in range(n_chunks):
+        x2, d2 = _scan_load(x_ptr, decay_ptr, first, n_chunks, i + 2, h, NC, H, C, V, cv, c, m, REVERSE)
+        tl.store(x_ptr + _scan_at(first, n_chunks, i, h, NC, REVERSE) * C * V + cv, state, mask=m)
+        state = state * tl.exp(d0)[:, None] + x0
+        x0, d0, x1, d1 = x1, d1, x2, d2
+    tl.store(last_ptr + state_at + cv, state, mask=m)
+
+
+@triton.jit
+def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
+                   qs_ptr, ks_ptr, gs_ptr, h_ptr, o_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
+    if tl.max(live.to(tl.int32)) == 0:
+        return
+    q, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
+                                BT, BLOCK_C, BLOCK_N)
+    c = tl.arange(0, BLOCK_C)[:, None]
+    d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    dt = v_ptr.dtype.element_ty
+    v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=live[:, None] & (d < V), other=0.0)
+    state = tl.load(h_ptr + (h * NC + cid) * C * V + c * V + d, mask=(c < C) & (d < V), other=0.0)
+    o = tl.dot(_scores(q, k, b, dt, BT).to(dt), v) + tl.dot((q * tl.exp(b)).to(dt), state.to(dt))
+    tl.store(o_ptr + r[:, None] * H * V + h * V + d, o.to(o_ptr.dtype.element_ty), mask=live[:, None] & (d < V))
+
+
+@triton.jit
+def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr,
+               gs_ptr, do_ptr, dh_ptr, dv_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
+               BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dv = A^T do + (k e^(b_last - b)) dh_after."""
+    cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
+    if tl.max(live.to(tl.int32)) == 0:
+        return
+    q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
+                                     scale, BT, BLOCK_C, BLOCK_N)
+    c = tl.arange(0, BLOCK_C)[:, None]
+    d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    dt = do_ptr.dtype.element_ty
+    do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=live[:, None] & (d < V), other=0.0)
+    dh = tl.load(dh_ptr + (h * NC + cid) * C * V + c * V + d, mask=(c < C) & (d < V), other=0.0)
+    dv = tl.dot(tl.trans(_scores(q, k, b, dt, BT).to(dt)), do)
+    dv += tl.dot((k * tl.exp(b_last[None, :] - b)).to(dt), dh.to(dt))
+    tl.store(dv_ptr + r[:, None] * H * V + h * V + d, dv.to(dv_ptr.dtype.element_ty), mask=live[:, None] & (d < V))
+
+
+@triton.jit
+def _dq_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr,
+               ks_ptr, gs_ptr, do_ptr, h_ptr, dq_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
+               BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq_row = scale * (dA (k e^-b) + do h^T) e^b, with dA = tril(do v^T); pairwise when e^-b would overflow."""
+    cid, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
+    if tl.max(live.to(tl.int32)) == 0:
+        return
+    _, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
+                                BT, BLOCK_C, BLOCK_N)
+    dt = do_ptr.dtype.element_ty
+    c = tl.arange(0, BLOCK_C)
+    dA = tl.zeros([BT, BT], tl.float32)
+    dq = tl.zeros([BT, BLOCK_C], tl.float32)
+    for vb in range(tl.cdiv(V, BLOCK_V)):
+        d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        m = live[:, None] & (d < V)
+        do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
+        state = tl.load(h_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, mask=(c[:, None] < C) & (d < V),
+                        other=0.0)
+        dA += tl.dot(do, tl.trans(v))
+        dq += tl.dot(do, tl.trans(state.to(dt)))
+    t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    dA = tl.where(t >= s, dA, 0.0)
+    if tl.min(b) > -FACTORISED_LIMIT:
+        dq += tl.dot(dA.to(dt), (k * tl.exp(-b)).to(dt))
+        dq *= tl.exp(b)
+    else:
+        dq *= tl.exp(b)
+        for j in range(BT):
+            a = tl.sum(tl.where(s == j, dA, 0.0), 1)
+            dq += a[:, None] * _row_of(k, j, BT)[None, :] * tl.exp(tl.minimum(b - _row_of(b, j, BT)[None, :], 0.0))
+    tl.store(dq_ptr + r[:, None] * H * C + h * C + c[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=live[:, None] & (c[None, :] < C))
+
+
+@triton.jit
+def _dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr,
+                  ks_ptr, gs_ptr, do_ptr, h_ptr, final_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, G, NC, H, C, V, N, P, scale,
+                  BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """dk_row = (dA^T (q e^b)) e^-b + (v dh_after^T) e^(b_last - b); dg_row from q dq - k dk (module docstring)."""
+    cid, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
+    if tl.max(live.to(tl.int32)) == 0:
+        return
+    q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
+                                     scale, BT, BLOCK_C, BLOCK_N)
+    dt = do_ptr.dtype.element_ty
+    c = tl.arange(0, BLOCK_C)
+    dA = tl.zeros([BT, BT], tl.float32)
+    dk = tl.zeros([BT, BLOCK_C], tl.float32)
+    dgh = tl.zeros([BLOCK_C], tl.float32)  # sum_v(h_after * dh_after)
+    last = cid == tl.load(chunk_first_ptr + g + 1) - 1
+    final_at = (((g // P) * H + h) * P + g % P) * C * V
+    after_ptr = tl.where(last, final_ptr + final_at, h_ptr + (h * NC + cid + 1) * C * V)
+    for vb in range(tl.cdiv(V, BLOCK_V)):
+        d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        m = live[:, None] & (d < V)
+        do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
+        in_cv = (c[:, None] < C) & (d < V)
+        dh = tl.load(dh_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, mask=in_cv, other=0.0)
+        dA += tl.dot(do, tl.trans(v))
+        dk += tl.dot(v, tl.trans(dh.to(dt)))
+        dgh += tl.sum(tl.load(after_ptr + c[:, None] * V + d, mask=in_cv, other=0.0) * dh, 1)
+    dk *= tl.exp(b_last[None, :] - b)
+    t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    dA = tl.where(t >= s, dA, 0.0)
+    if tl.min(b) > -FACTORISED_LIMIT:
+        dk += tl.dot(tl.trans(dA.to(dt)), (q * tl.exp(b)).to(dt)) * tl.exp(-b)
+    else:
+        for j in range(BT):
+            a = tl.sum(tl.where(s == j, dA, 0.0), 1)
+            row = tl.sum(a[:, None] * q * tl.exp(tl.minimum(b - _row_of(b, j, BT)[None, :], 0.0)), 0)
+            dk += tl.where(t == j, row[None, :], 0.0)
+    hc = r[:, None] * H * C + h * C + c[None, :]
+    m = live[:, None] & (c[None, :] < C)
+    dq = tl.load(dq_ptr + hc, mask=m, other=0.0).to(tl.float32) / scale  # w.r.t. the scaled q
+    dg = tl.cumsum(q * dq - k * dk, 0, reverse=True) + dgh[None, :]
+    tl.store(dk_ptr + hc, dk.to(dk_ptr.dtype.element_ty), mask=m)
+    tl.store(dg_ptr + hc, dg, mask=m)
+
+
+def _keys(k_logits, log_decay, row_topk, dtype):
+    """(keys, log-decay of the rows they write) [L, H, C] for one kind of row (routed or shared)."""
+    L, H, C = k_logits.shape
+    keys = torch.empty(L, H, C, dtype=dtype, device=k_logits.device)
+    g = torch.empty_like(log_decay) if row_topk else log_decay
+    if L:
+        _keys_kernel[(L,)](k_logits, log_decay, keys, g, H, C, row_topk or 0, triton.next_power_of_2(H),
+                           triton.next_power_of_2(C), num_warps=_warps(H, C))
+    return keys, g
+
+
+def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk):
+    """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
+    shared keys, shared g); without a shared partition the shared slots repeat the routed ones (never read)."""
+    keys, g = _keys(k_logits, log_decay, row_topk, q.dtype)
+    keys_s, g_s = (keys, g) if q_shared is None else _keys(k_shared_logits, log_decay, row_topk, q.dtype)
+    return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
+
+
+def _meta(C, V, N, chunk_size):
+    p2 = triton.next_power_of_2
+    return dict(BT=chunk_size, BLOCK_C=p2(C), BLOCK_V=min(p2(V), 64), BLOCK_N=p2(N))
+
+
+def _chunk_grid(tables, H, V, meta):
+    return (tables[3].numel(), H, triton.cdiv(V, meta["BLOCK_V"]))
+
+
+class _IndexedChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
+                scale, row_topk, chunk_size):
+        row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
+        L, H, C = q.shape
+        V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
+        meta = _meta(C, V, N, chunk_size)
+        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
+        h, final = _chained(sources, v, initial_state, tables, scale, meta, query=False)
+        o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
+        q_, keys, g, e, qs, keys_s, gs = sources
+        _output_kernel[_chunk_grid(tables, H, V, meta)](
+            row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
+            P, scale, **meta, num_warps=8)
+        del h, sources
+        o = torch.empty(L, H, V, dtype=v.dtype, device=v.device)
+        if L:
+            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], triton.next_power_of_2(H),
+                                      triton.next_power_of_2(V))
+        ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
+                              final, *tables[:6])
+        ctx.rest = (S, P, scale, row_topk, meta)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final,
+         *index) = ctx.saved_tensors
+        S, P, scale, row_topk, meta = ctx.rest
+        row_token, cu, chunk_first, chunk_group, part, pos = index
+        tables = (*index, S, P)
+        L, H, C = q.shape
+        V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
+        do = do.contiguous()
+        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
+        h, _ = _chained(sources, v, initial_state, tables, scale, meta, query=False)  # recomputed, not saved
+        dh, dh0 = _chained(sources, do, dfinal, tables, scale, meta, query=True)
+        dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
+        dg_rows = torch.empty(R, H, C, dtype=torch.float32, device=q.device)
+        dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
+        q_, keys, g, e, qs, keys_s, gs = sources
+        grid = _chunk_grid(tables, H, V, meta)
+        index = (row_token, cu, chunk_first, chunk_group)
+        _dv_kernel[grid](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC, H, C, V, N, P, scale,
+                         **meta, num_warps=8)
+        _dq_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, dq_rows, G, NC, H, C, V, N, P, scale,
+                             **meta, num_warps=8)
+        _dk_dg_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows,
+                                dg_rows, G, NC, H, C, V, N, P, scale, **meta, num_warps=8)
+        del h, dh, sources
+        grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
+                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk)
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        return (*grads, dh0, None, None, None, None)
+
+
+def _chained(sources, x, init, tables, scale, meta, query):
+    """Going forward (x = v, init = h0): the state before every chunk [H, NC, C, V] and the final states
+    [S, H, P, C, V]. Going backward (query, x = do, init = d final): the gradient of the state after every chunk
+    and d h0. Both float32."""
+    q, keys, g, e, qs, keys_s, gs = sources
+    row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
+    L, H, C = q.shape
+    V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
+    states = torch.empty(H, NC, C, V, dtype=torch.float32, device=q.device)
+    decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
+    sums_meta = meta | dict(BLOCK_V=triton.next_power_of_2(V))  # one program per chunk: the rows are built once
+    _chunk_sums_kernel[(NC, H, 1)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e, qs, keys_s, gs,
+                                   states, decay, G, NC, H, C, V, N, P, scale, query, **sums_meta, num_warps=8)
+    last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
+    block_c, block_v = min(meta["BLOCK_C"], 32), meta["BLOCK_V"]
+    tiles = triton.cdiv(C, block_c) * triton.cdiv(V, block_v)
+    _scan_kernel[(tiles, H, G)](states, decay, chunk_first, init.contiguous() if init is not None else last, last,
+                                NC, H, C, V, P, init is not None, query, block_c, block_v, num_warps=4)
+    return states, last
+
+
+def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, row_grads,
+                 row_topk):
+    """The row gradients summed back to the token inputs, through the softmaxes (expand.py's backward)."""
+    L, H, C = q.shape
+    V, N, J = v.shape[-1], router_logits.shape[-1], part.shape[1]
+    shared = q_shared is not None
+    dq, dk, de = torch.empty_like(q), torch.empty_like(k_logits), torch.empty_like(router_logits)
+    dv, dg = torch.empty_like(v), torch.empty_like(log_decay)
+    dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
+    if L:
+        _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
+                                 k_shared_logits if shared else k_logits, part, pos, *row_grads, dq, dk, dv, dg, de,
+                                 dqs if shared else dq, dks if shared else dk, H, C, V, N, J, shared, row_topk or 0,
+                                 **_blocks(H, C, V, N), num_warps=_warps(H, C))
+    return dq, dk, dv, dg, de, dqs, dks
+
+
+def index_tables(router_logits, bounds, top_k, shared, chunk_size):
+    """Routing and the chunk index: (row_token [R], group bounds [G + 1], first chunk of each group [G + 1],
+    group of each chunk slot [NC] (G past the last chunk), part and pos [L, K + shared], S, P). NC is an upper
+    bound known on the host, so nothing waits for the device."""
+    L, N = router_logits.shape
+    S, P, J = bounds.numel() - 1, N + shared, top_k + shared
+    idx, pos, cu = route_varlen(router_logits, bounds, top_k, shared)
+    part = idx if not shared else torch.cat([idx, idx.new_full((L, 1), N)], 1)
+    device = router_logits.device
+    row_token = torch.empty(L * J, dtype=torch.int32, device=device)
+    row_token.scatter_(0, pos.reshape(-1).long(),
+                       torch.arange(L, dtype=torch.int32, device=device).repeat_interleave(J))
+    chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
+    chunk_first = torch.zeros(S * P + 1, dtype=torch.int64, device=device)
+    torch.cumsum(chunks, 0, out=chunk_first[1:])
+    num_slots = triton.cdiv(L * J, chunk_size) + S * P
+    chunk_group = torch.searchsorted(chunk_first[1:], torch.arange(num_slots, device=device), right=True)
+    return row_token, cu, chunk_first, chunk_group.to(torch.int32), part.contiguous(), pos, S, P
+
+
+def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
+                       row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                       chunk_size=CHUNK):
+    B, T, H, c = q.shape
+    N, dv = router_logits.shape[-1], v.shape[-1]
+    L = B * T
+    scale = c**-0.5 if scale is None else scale
+    bounds = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens
+    tables = index_tables(router_logits.reshape(L, N), bounds, top_k, q_shared is not None, chunk_size)
+
+    def flat(x):
+        return None if x is None else x.reshape(L, H, -1).contiguous()
+
+    o, final = _IndexedChunk.apply(flat(q), flat(k_logits), flat(v), flat(log_decay),
+                                   router_logits.reshape(L, N).contiguous(), flat(q_shared), flat(k_shared_logits),
+                                   initial_state, tables, scale, row_topk, chunk_size)
+    return o.view(B, T, H, dv), (final if output_final_state else None)
