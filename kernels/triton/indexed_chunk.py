@@ -3,9 +3,10 @@
 The varlen layout (docs/model.md, "Equivalences") runs GLA over rows grouped by (segment, partition), K + shared
 rows per token. `chunk.py` materialises those rows and hands them to fla's `chunk_gla`; here every kernel reads
 a row straight from the token tensors through `row_token` (row -> token, from the counting sort in routing.py)
-and builds it on the fly: w_p q, w_p softmax(k_logits), v, log-decay masked to the kept key rows (routed), or
-the shared partition's q_shared, softmax(k_shared_logits) -- the same rows `expand.py` writes. No host
-synchronisation: grids are sized from host-side bounds (rows, groups), and programs past the last chunk exit.
+and builds it on the fly: w_p q, w_p keys, v, log-decay masked to the kept key rows (routed), or the shared
+partition's q_shared, shared keys -- the same rows `expand.py` writes (keys = softmax_keys(k_logits), once per
+call by `_keys_kernel`). No host synchronisation: grids are sized from host-side bounds (rows, groups), and
+programs past the last chunk exit.
 
 Per chunk of BT rows of one group (b = in-chunk cumulative log decay, b_last its last row, scale folded into q):
     A = tril((q e^b) (k e^-b)^T)         o = A v + (q e^b) h        h' = e^b_last h + (k e^(b_last - b))^T v
@@ -13,11 +14,12 @@ The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIM
 sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
 
 Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks):
-- forward  `_states` [NV, H, G] (sequential over a group's chunks): the state before every chunk + final state;
-           `_output` [NC, H, NV]: o rows; `collect` (expand.py) sums a token's rows.
-- backward `_states` again (recomputed, not saved), `_state_grads` [NV, H, G] (reverse): dh after every chunk,
-           dh0, and sum_v(h_after * dh_after) for the decay gradient; `_dv` [NC, H, NV], `_dq` [NC, H],
-           `_dk_dg` [NC, H]: row gradients; `_expand_bwd_kernel` (expand.py) reduces them to the token inputs.
+- forward  `_chunk_sums` [NC, H]: each chunk's state update, all chunks at once; `_scan` [state tiles, H, G]:
+           chains a group's chunks in place (the state before every chunk, and the final state); `_output`
+           [NC, H, NV]: o rows; `collect` (expand.py) sums a token's rows.
+- backward the states again (recomputed, not saved), then `_chunk_sums` + `_scan` in reverse for the gradient
+           of the state after every chunk and dh0; `_dv` [NC, H, NV], `_dq` [NC, H], `_dk_dg` [NC, H]: row
+           gradients; `_expand_bwd_kernel` (expand.py) reduces them to the token inputs.
 The decay gradient uses dg_t = sum over u >= t of (q_u dq_u - k_u dk_u) within the chunk, plus
 sum_v(h_after * dh_after): everything after the chunk sees this chunk's decays only through h_after.
 """
@@ -36,7 +38,7 @@ FACTORISED_LIMIT = tl.constexpr(60.0)
 
 @triton.jit
 def _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT: tl.constexpr):
-    """The rows of chunk slot `cid`: group, its partition-major index pieces, row ids, liveness, tokens."""
+    """The rows of chunk slot `cid`: its group, row ids, which rows exist, their tokens."""
     g = tl.load(chunk_group_ptr + cid)
     gs = tl.minimum(g, G - 1)  # slots past the last chunk read a real group and are masked off by `live`
     start = tl.load(cu_ptr + gs) + (cid - tl.load(chunk_first_ptr + gs)) * BT
