@@ -67,8 +67,9 @@ def _installed(*modules: str) -> bool:
 
 
 def pick_implementation(device: torch.device) -> str:
-    # On GPU our indexed chunk kernels beat the layouts around fla's chunk_gla at every length measured, from 1k
-    # tokens (no host synchronisation, so no fixed cost) to 64k (no materialised rows); kernels/NOTES.md.
+    # On GPU our indexed chunk kernels beat the varlen layout around fla's chunk_gla at 4k-64k tokens (H100,
+    # 1.26-2.2x: no materialised rows, and no host synchronisation, so no fixed cost at short lengths). The mask
+    # layout, faster than varlen below ~2.4k tokens on an H200, was not timed against them; kernels/NOTES.md.
     if device.type == "cuda" and _installed("triton"):
         return "triton_indexed"
     # On CPU the varlen layout wins at every size measured: its work grows with K + 1, the mask's with N + 1
