@@ -1,12 +1,14 @@
 """GPU benchmarks of the SSE Triton paths, side by side in one run (needs CUDA and fla):
 
-    python bench/sse_op.py [--lengths 1024,4096,16384,65536,131072] [--out bench/results]
+    python bench/sse_op.py [--lengths 1024,4096,16384,65536,131072] [--sections training,scaling_N,...]
+                           [--no-fla-layouts] [--out bench/results]
 
 
 Medians of `triton.testing.do_bench` (CUDA events), bf16 activations, H = 16, c = d_v = 128, batch 1:
-1. training op forward+backward vs T: SSE (N = 4, K = 1 + shared) varlen and mask, plain GLA (fla `chunk_gla`,
-   the linear-attention floor) and causal SDPA (FlashAttention backend);
-2. SSE varlen vs N at K = 1 + shared (T = 16k): should stay flat (the mask path's work is N + 1 times
+1. training op forward+backward vs T: SSE (N = 4, K = 1 + shared) indexed (ours, the default), varlen and mask
+   (around fla's `chunk_gla`; `--no-fla-layouts` leaves them out, fla autotunes them for minutes on a fresh
+   node), plain GLA (fla `chunk_gla`, the linear-attention floor) and causal SDPA (FlashAttention backend);
+2. SSE indexed and varlen vs N at K = 1 + shared (T = 16k): should stay flat (the mask path's work is N + 1 times
    GLA by construction; it is left out here because every head count N * H re-autotunes fla's kernels);
 3. where the varlen time goes at T = 64k: routing, gather, the GLA core on the gathered rows, the rest;
 4. decode step for batch 1..1024 (N = 4, K = 1 + shared): bytes = each touched state read and written once,
