@@ -61,6 +61,35 @@ def test_paper_recipe_numbers():
     assert cfg.data.eval == ["aime24", "aime25", "math500"]
 
 
+class _Tokenizer:  # what build_config reads of a tokenizer
+    pad_token_id, bos_token_id, eos_token_id = 1, 0, 3
+
+    def __len__(self):
+        return 512
+
+
+@pytest.mark.parametrize("model_config, vocab", [
+    ({"hidden_size": 256}, 512),  # the tokenizer's
+    ({"hidden_size": 256, "vocab_size": 4096}, 4096),  # padded past it
+    ({"preset": "paper_2b"}, 151936),  # the preset's real vocabulary
+])
+def test_model_vocabulary_is_the_tokenizers_unless_a_larger_one_is_named(model_config, vocab):
+    from pipeline.stages.init import build_config
+
+    cfg = config_from_dict({"name": "v", "model": {"init": "scratch", "tokenizer": {"train": True},
+                                                   "config": model_config}})
+    assert build_config(cfg, _Tokenizer()).vocab_size == vocab
+
+
+def test_model_vocabulary_smaller_than_the_tokenizer_is_refused():
+    from pipeline.stages.init import build_config
+
+    cfg = config_from_dict({"name": "v", "model": {"init": "scratch", "tokenizer": {"train": True},
+                                                   "config": {"vocab_size": 100}}})
+    with pytest.raises(ValueError, match=r"model.config.vocab_size 100 is smaller than the tokenizer's 512 tokens"):
+        build_config(cfg, _Tokenizer())
+
+
 def _write(tmp_path, text, name="c.yaml"):
     path = tmp_path / name
     path.write_text(text)

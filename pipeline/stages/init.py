@@ -18,6 +18,7 @@ from pipeline.data.loaders import load_sft_dataset
 from pipeline.data.tokenizer import conversation_texts, train_tokenizer
 from pipeline.rundir import fsync_dir
 from sse_model import SSEConfig, SSEForCausalLM
+from sse_model.configuration_sse import PRESETS
 
 
 class CheckpointError(ValueError):
@@ -94,7 +95,13 @@ def build_tokenizer(cfg):
 def build_config(cfg, tokenizer) -> SSEConfig:
     kwargs = dict(cfg.model.config)
     preset = kwargs.pop("preset", None)
-    kwargs.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+    # The vocabulary is the tokenizer's unless model.config or its preset names a larger one: models pad their
+    # embedding past the tokenizer (Qwen's 151,936 rows for 151,669 tokens), and a preset keeps its real size.
+    named = kwargs.get("vocab_size", PRESETS.get(preset, {}).get("vocab_size"))
+    if named is not None and named < len(tokenizer):
+        where = "model.config.vocab_size" if "vocab_size" in kwargs else f"model.config.preset {preset}: vocab_size"
+        raise ValueError(f"{where} {named} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    kwargs.update(vocab_size=named or len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     return SSEConfig.from_preset(preset, **kwargs) if preset else SSEConfig(**kwargs)
 
@@ -122,4 +129,5 @@ def run(cfg, run_dir, model_path=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     return {"output": str(out), "summary": f"{n_params / 1e6:.2f}M parameters, "
             f"{config.layer_types.count('linear_attention')}/{config.num_hidden_layers} SSE layers, "
-            f"vocabulary {len(tokenizer)}"}
+            f"vocabulary {config.vocab_size}"
+            + (f" (tokenizer {len(tokenizer)})" if config.vocab_size != len(tokenizer) else "")}
