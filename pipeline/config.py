@@ -58,7 +58,11 @@ class ModelSettings:
     path: str | None = None  # checkpoint directory or hub id, for init: pretrained
     config: dict[str, Any] = field(default_factory=dict)  # sse_model.SSEConfig kwargs (or `preset`), for scratch
     tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # what the trainers compute in and the engines serve
+    # With dtype bfloat16: keep float32 weights and optimizer state and compute under bf16 autocast (mixed
+    # precision) instead of training the bf16 weights themselves. A bf16 weight of 0.02 moves in steps of 1.2e-4,
+    # so updates the size of a GRPO learning rate of 1e-6 round away; checkpoints are then float32.
+    fp32_master_weights: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +180,7 @@ class VLLMSettings:
     kv_cache_gib: int | None = None  # KV cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE, an integer)
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout engine dtype; "auto": the checkpoint's
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout engine dtype; "auto": model.dtype
     # vLLM's enforce_eager, for the GRPO and eval engines: no torch.compile (nor CUDA graphs). On the CPU build
     # each engine start compiles the model with inductor (~22 s on 2 cores with a warm inductor cache, ~60 s
     # cold; vLLM's AOT cache fails to load it back), and the tiny model decodes no faster compiled.
@@ -538,6 +542,10 @@ def _check(cfg: Config) -> None:
     require(len(set(stages)) == len(stages) and stages == sorted(stages, key=STAGES.index),
             "stages", f"must be in the order {', '.join(STAGES)} without repeats, got {stages}")
     require(not {"init", "convert"} <= set(stages), "stages", "use either init or convert, not both")
+    require(not cfg.model.fp32_master_weights or cfg.model.dtype == "bfloat16", "model.fp32_master_weights",
+            "needs model.dtype bfloat16 (with float32 the weights are float32 already)", ["model.dtype"])
+    require(stages[0] in ("init", "convert"), "stages", f"must start with init or convert, which give the later "
+            f"stages their model (init with model.init 'pretrained' starts from model.path), got {stages}")
     require(("convert" in stages) == (cfg.model.init == "convert"), "model.init",
             "must be 'convert' exactly when stages include convert", ["stages"])
     require(cfg.model.init != "convert" or cfg.convert.source is not None, "convert.source",

@@ -57,9 +57,15 @@ def set_cpu_kv_cache(v) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
 
 
+def engine_dtype(cfg) -> str:
+    """grpo.vllm.dtype, "auto" being model.dtype: the checkpoints are float32 under model.fp32_master_weights."""
+    return cfg.model.dtype if cfg.grpo.vllm.dtype == "auto" else cfg.grpo.vllm.dtype
+
+
 def engine_kwargs(cfg, model_path: str) -> dict:
     """`vllm.LLM` arguments for the colocated rollout engine."""
     v, g = cfg.grpo.vllm, cfg.grpo
-    return dict(model=model_path, dtype=v.dtype, seed=cfg.seed, gpu_memory_utilization=v.gpu_memory_utilization,
+    return dict(model=model_path, dtype=engine_dtype(cfg), seed=cfg.seed,
+                gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
                 enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1)

@@ -2,7 +2,7 @@
 overrides their internals is in pipeline/trl_seams.py).
 
 - `StageCallback`: metrics into the run's metrics.jsonl, progress for the driver's console.
-- `resume_checkpoint`, `save_final_model`, `common_training_args`.
+- `resume_checkpoint`, `save_final_model`, `common_training_args`, `weights_dtype`.
 """
 import math
 import os
@@ -112,6 +112,12 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
         fsync_dir(out.parent)
     trainer.accelerator.wait_for_everyone()
     return out
+
+
+def weights_dtype(cfg) -> torch.dtype:
+    """The dtype of the weights a trainer updates: model.dtype, or float32 under model.fp32_master_weights (then
+    the bf16 of model.dtype is the autocast of TrainingArguments.bf16)."""
+    return torch.float32 if cfg.model.fp32_master_weights else getattr(torch, cfg.model.dtype)
 
 
 def common_training_args(cfg, stage_cfg, out: Path) -> dict:

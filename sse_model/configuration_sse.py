@@ -15,12 +15,13 @@ ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 PRESETS = {
     # The paper's 2B SSE-H, n4k1: 18 layers, attention at 5, 11, 17, untied 151,936-token vocabulary.
     # MLP width 6912 (3 x hidden) puts the counts at ~2.03B total / ~1.33B non-embedding (paper: ~2B / 1.3B).
+    # 40,960 positions: the recipe's 32k-token rollouts after prompts of up to 8k (Qwen3's choice for the same).
     "paper_2b": dict(
         vocab_size=151936, hidden_size=2304, intermediate_size=6912, num_hidden_layers=18,
         layer_types=[ATTENTION_LAYER if i % 6 == 5 else SSE_LAYER for i in range(18)],
         num_attention_heads=18, num_key_value_heads=18, head_dim=128,
         sse_num_heads=18, sse_key_dim=128, sse_value_dim=128, sse_num_partitions=4, sse_top_k=1,
-        sse_shared_partition=True, sse_lora_rank=64, tie_word_embeddings=False, max_position_embeddings=32768,
+        sse_shared_partition=True, sse_lora_rank=64, tie_word_embeddings=False, max_position_embeddings=40960,
     ),
 }
 

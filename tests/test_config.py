@@ -90,6 +90,30 @@ def test_model_vocabulary_smaller_than_the_tokenizer_is_refused():
         build_config(cfg, _Tokenizer())
 
 
+def test_rollouts_longer_than_the_models_positions_are_refused_before_training():
+    from pipeline.stages.init import check_rollout_length
+    from sse_model.configuration_sse import SSEConfig
+
+    cfg = load_config(CONFIGS[0].parent / "sse_h_2b.yaml")  # 1024-token prompts + 32768-token completions
+    check_rollout_length(cfg, SSEConfig.from_preset("paper_2b"))
+    with pytest.raises(ValueError, match=r"grpo.max_prompt_length \+ grpo.max_completion_length = 33792 tokens "
+                                         r"exceed the model's max_position_embeddings \(32768\)"):
+        check_rollout_length(cfg, SSEConfig.from_preset("paper_2b", max_position_embeddings=32768))
+
+
+@pytest.mark.parametrize("master, weights, engine", [(False, "bfloat16", "bfloat16"), (True, "float32", "bfloat16")])
+def test_fp32_master_weights_train_float32_weights_and_serve_model_dtype(master, weights, engine):
+    import torch
+
+    from pipeline.rollouts import engine_kwargs
+    from pipeline.training import weights_dtype
+
+    cfg = config_from_dict({"name": "m", "model": {"dtype": "bfloat16", "fp32_master_weights": master,
+                                                   "tokenizer": {"train": True}}})
+    assert weights_dtype(cfg) == getattr(torch, weights)
+    assert engine_kwargs(cfg, "ckpt")["dtype"] == engine  # "auto" is model.dtype, not the float32 checkpoint's
+
+
 def _write(tmp_path, text, name="c.yaml"):
     path = tmp_path / name
     path.write_text(text)
@@ -131,6 +155,10 @@ BAD = [
     ("data: {eval: [math50]}", "data.eval[0]: unknown eval set 'math50' (did you mean 'math500'?); name a "
      "benchmark or give a mapping with `source`"),
     ("model: {config: [1]}", "model.config: expected a mapping, got list [1]"),
+    ("model: {fp32_master_weights: true}", "model.fp32_master_weights: needs model.dtype bfloat16 (with float32 "
+     "the weights are float32 already)"),
+    ("stages: [grpo, eval]", "stages: must start with init or convert, which give the later stages their model "
+     "(init with model.init 'pretrained' starts from model.path), got ['grpo', 'eval']"),
     ("stages: [sft, init]", "stages: must be in the order init, convert, sft, grpo, eval without repeats, "
      "got ['sft', 'init']"),
     ("model: {init: pretrained}", "model.path: required when model.init is 'pretrained'"),

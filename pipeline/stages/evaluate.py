@@ -6,7 +6,7 @@ import os
 from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
 from eval.state import state_report
-from pipeline.rollouts import set_cpu_kv_cache
+from pipeline.rollouts import engine_dtype, set_cpu_kv_cache
 
 
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
@@ -22,8 +22,8 @@ def run(cfg, run_dir, model_path) -> dict:
     scores, dirs = {}, {}
     for label, path in models_to_score(cfg, run_dir, model_path).items():
         def engine(path=path):
-            return build_llm(path, seed=cfg.seed, dtype=v.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
-                             enforce_eager=v.enforce_eager)
+            return build_llm(path, seed=cfg.seed, dtype=engine_dtype(cfg),
+                             gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager)
 
         def progress(name, done, total, label=label):
             run_dir.write_progress("eval", done=done, total=total, unit="problem", what=f"{label} {name}")

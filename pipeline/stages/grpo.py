@@ -3,7 +3,6 @@ rewards from the registry, optional evaluation every `grpo.eval_every` steps. Re
 complete checkpoint (model, optimizer, scheduler, RNG, data position, step)."""
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -13,7 +12,13 @@ from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
 from pipeline.data.prompts import prompt_token_ids
 from pipeline.faults import fault_point
 from pipeline.rollouts import engine_kwargs, set_cpu_kv_cache
-from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
+from pipeline.training import (
+    StageCallback,
+    common_training_args,
+    resume_checkpoint,
+    save_final_model,
+    weights_dtype,
+)
 from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
 
 
@@ -56,7 +61,7 @@ def run(cfg, run_dir, model_path) -> dict:
     g = cfg.grpo
     out = run_dir.stage_dir("grpo")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg))
     dataset, skipped = filter_long_prompts(load_rl_dataset(cfg.data.grpo), tokenizer, g.max_prompt_length,
                                            g.long_prompts)
     resume = resume_checkpoint(run_dir, "grpo")

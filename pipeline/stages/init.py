@@ -106,13 +106,27 @@ def build_config(cfg, tokenizer) -> SSEConfig:
     return SSEConfig.from_preset(preset, **kwargs) if preset else SSEConfig(**kwargs)
 
 
+def check_rollout_length(cfg, config: SSEConfig) -> None:
+    """vLLM refuses an engine whose context exceeds the model's positions; found here, not after SFT."""
+    if "grpo" not in cfg.stages:
+        return
+    g = cfg.grpo
+    need = g.max_prompt_length + g.trl["max_completion_length"]
+    if need > config.max_position_embeddings:
+        raise ValueError(f"grpo.max_prompt_length + grpo.max_completion_length = {need} tokens exceed the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings}): vLLM would refuse the rollout "
+                         f"engine")
+
+
 def run(cfg, run_dir, model_path=None) -> dict:
     if cfg.model.init == "pretrained":
         config = check_sse_checkpoint(cfg.model.path)
+        check_rollout_length(cfg, config)
         return {"output": cfg.model.path, "summary": f"pretrained {config.model_type} at {cfg.model.path}"}
 
     tokenizer = build_tokenizer(cfg)
     config = build_config(cfg, tokenizer)
+    check_rollout_length(cfg, config)
     torch.manual_seed(cfg.seed)
     model = SSEForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

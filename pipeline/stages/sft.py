@@ -1,13 +1,18 @@
 """Stage `sft`: distillation with TRL's SFTTrainer (chat template, loss on completions only, packing or
 padding-free batches when configured). Resumes from the stage's last complete checkpoint."""
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
 from pipeline.data.loaders import load_sft_dataset
 from pipeline.token_weights import TokenWeighting
-from pipeline.training import StageCallback, common_training_args, resume_checkpoint, save_final_model
+from pipeline.training import (
+    StageCallback,
+    common_training_args,
+    resume_checkpoint,
+    save_final_model,
+    weights_dtype,
+)
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
@@ -25,7 +30,7 @@ def run(cfg, run_dir, model_path) -> dict:
     s = cfg.sft
     out = run_dir.stage_dir("sft")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg))
     dataset = load_sft_dataset(cfg.data.sft)
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     w = s.token_weights  # SILA's token-weighted loss; None: off
