@@ -339,6 +339,14 @@ def _chunk_grid(tables, H, V, meta):
     return (tables[3].numel(), H, triton.cdiv(V, meta["BLOCK_V"]))
 
 
+# Launch settings of the chunk kernels (Triton's num_warps / num_stages): the best of bench/sse_indexed_launch.py
+# on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier all-default stages, the
+# per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients bit-identical).
+LAUNCH = {"chunk_sums": dict(num_warps=4, num_stages=3), "scan": dict(num_warps=4, num_stages=2),
+          "output": dict(num_warps=8, num_stages=3), "dv": dict(num_warps=8, num_stages=3),
+          "dq": dict(num_warps=8, num_stages=3), "dk_dg": dict(num_warps=8, num_stages=3)}
+
+
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
@@ -353,7 +361,7 @@ class _IndexedChunk(torch.autograd.Function):
         q_, keys, g, e, qs, keys_s, gs = sources
         _output_kernel[_chunk_grid(tables, H, V, meta)](
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
-            P, scale, **meta, num_warps=8)
+            P, scale, **meta, **LAUNCH["output"])
         del h, sources
         o = torch.empty(L, H, V, dtype=v.dtype, device=v.device)
         if L:
@@ -384,11 +392,11 @@ class _IndexedChunk(torch.autograd.Function):
         grid = _chunk_grid(tables, H, V, meta)
         index = (row_token, cu, chunk_first, chunk_group)
         _dv_kernel[grid](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC, H, C, V, N, P, scale,
-                         **meta, num_warps=8)
+                         **meta, **LAUNCH["dv"])
         _dq_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, dq_rows, G, NC, H, C, V, N, P, scale,
-                             **meta, num_warps=8)
+                             **meta, **LAUNCH["dq"])
         _dk_dg_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows,
-                                dg_rows, G, NC, H, C, V, N, P, scale, **meta, num_warps=8)
+                                dg_rows, G, NC, H, C, V, N, P, scale, **meta, **LAUNCH["dk_dg"])
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk)
@@ -408,12 +416,13 @@ def _chained(sources, x, init, tables, scale, meta, query):
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
     sums_meta = meta | dict(BLOCK_V=triton.next_power_of_2(V))  # one program per chunk: the rows are built once
     _chunk_sums_kernel[(NC, H, 1)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e, qs, keys_s, gs,
-                                   states, decay, G, NC, H, C, V, N, P, scale, query, **sums_meta, num_warps=8)
+                                   states, decay, G, NC, H, C, V, N, P, scale, query, **sums_meta,
+                                   **LAUNCH["chunk_sums"])
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
     block_c, block_v = min(meta["BLOCK_C"], 32), meta["BLOCK_V"]
     tiles = triton.cdiv(C, block_c) * triton.cdiv(V, block_v)
     _scan_kernel[(tiles, H, G)](states, decay, chunk_first, init.contiguous() if init is not None else last, last,
-                                NC, H, C, V, P, init is not None, query, block_c, block_v, num_warps=4)
+                                NC, H, C, V, P, init is not None, query, block_c, block_v, **LAUNCH["scan"])
     return states, last
 
 
