@@ -1,10 +1,12 @@
-"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/indexed_chunk.py, `LAUNCH`): Triton's
-num_warps and num_stages per kernel, one kernel at a time (each keeps the best found before it), timed as the
-whole operator's forward+backward (bf16, N = 4, K = 1 + shared, 16 heads of 128, one sequence of T tokens).
-Ends with the shipped settings against the best found at every length of `--lengths`, in one run, and how far
-the best settings' outputs and gradients move from the shipped ones'.
+"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/indexed_chunk.py, `LAUNCH`): value
+columns per program (BLOCK_V), Triton's num_warps and num_stages per kernel, one kernel at a time (each keeps the
+best found before it), timed as the whole operator's forward+backward (bf16, N = 4, K = 1 + shared, 16 heads of
+128, one sequence of T tokens). Settings that do not fit the GPU (shared memory, registers) are skipped. Ends with
+the shipped settings against the best found at every length of `--lengths`, in one run, and how far the best
+settings' outputs and gradients move from the shipped ones'.
 
-    python bench/sse_indexed_launch.py [--sweep-T 32768] [--lengths 16384 65536] [--out bench/results]
+    python bench/sse_indexed_launch.py [--kernels output dv dq_dk_dg] [--sweep-T 32768] [--lengths 16384 65536]
+                                       [--out bench/results]
 """
 import argparse
 import copy
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,9 +26,10 @@ from kernels.triton.indexed_chunk import sse_triton_indexed
 from sse_op import DV, H, sse_inputs, time_sse  # the op benchmark's inputs and timing
 
 CANDIDATES = {
-    "scan": [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2)],
-    **{name: [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
-       for name in ("chunk_sums", "output", "dv", "dq", "dk_dg")},
+    "scan": [dict(BLOCK_V=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (2, 4) for s in (1, 2)],
+    "chunk_sums": [dict(BLOCK_V=128, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)],
+    **{name: [dict(BLOCK_V=b, num_warps=w, num_stages=s) for b in (64, 128) for w in (4, 8) for s in (2, 3)]
+       for name in ("output", "dv", "dq_dk_dg")},
 }
 
 
@@ -41,17 +45,23 @@ def outputs(T):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     p.add_argument("--sweep-T", type=int, default=32768)
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     shipped = copy.deepcopy(indexed_chunk.LAUNCH)
     sweep = {}
-    for name, candidates in CANDIDATES.items():
+    for name in args.kernels:
         rows = []
-        for launch in candidates:
+        for launch in CANDIDATES[name]:
             indexed_chunk.LAUNCH[name] = launch
-            rows.append((time_sse(sse_triton_indexed, args.sweep_T, 4), launch))
+            try:
+                rows.append((time_sse(sse_triton_indexed, args.sweep_T, 4), launch))
+            except triton.runtime.errors.OutOfResources as e:
+                print(f"{name:11s} {launch} does not fit: {e}", flush=True)
+                torch.cuda.empty_cache()
+                continue
             print(f"{name:11s} {launch} {rows[-1][0]:.3f} ms", flush=True)
         best_ms, best = min(rows, key=lambda r: r[0])
         indexed_chunk.LAUNCH[name] = best

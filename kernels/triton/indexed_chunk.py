@@ -13,13 +13,15 @@ Per chunk of BT rows of one group (b = in-chunk cumulative log decay, b_last its
 The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIMIT take the pairwise form
 sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
 
-Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks):
-- forward  `_chunk_sums` [NC, H]: each chunk's state update, all chunks at once; `_scan` [state tiles, H, G]:
-           chains a group's chunks in place (the state before every chunk, and the final state); `_output`
-           [NC, H, NV]: o rows; `collect` (expand.py) sums a token's rows.
+Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`'s BLOCK_V columns):
+- forward  `_chunk_sums` [NC, H, NV]: each chunk's state update, all chunks at once, float32; `_scan`
+           [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
+           activations' dtype (and the final state in float32); `_output` [NC, H, NV]: o rows; `collect`
+           (expand.py) sums a token's rows.
 - backward the states again (recomputed, not saved), then `_chunk_sums` + `_scan` in reverse for the gradient
-           of the state after every chunk and dh0; `_dv` [NC, H, NV], `_dq` [NC, H], `_dk_dg` [NC, H]: row
-           gradients; `_expand_bwd_kernel` (expand.py) reduces them to the token inputs.
+           of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H] (one pass over the
+           value blocks for dA, dq, dk and the decay gradient): row gradients; `_expand_bwd_kernel` (expand.py)
+           reduces them to the token inputs.
 The decay gradient uses dg_t = sum over u >= t of (q_u dq_u - k_u dk_u) within the chunk, plus
 sum_v(h_after * dh_after): everything after the chunk sees this chunk's decays only through h_after.
 """
@@ -156,12 +158,13 @@ def _scan_load(x_ptr, decay_ptr, first, n_chunks, i, h, NC, H, C, V, cv, c, m, R
 
 
 @triton.jit
-def _scan_kernel(x_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr, NC, H, C, V, P,
+def _scan_kernel(x_ptr, out_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr, NC, H, C, V, P,
                  HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Chains a group's chunks in place, elementwise over a [BLOCK_C, BLOCK_V] tile of the state:
-    forward, x[c] = chunk c's update in, the state before chunk c out (h' = e^b_last h + update);
-    REVERSE, x[c] = (q e^b)^T do in, the gradient of the state after chunk c out (dh = e^b_last dh' + x[c]).
-    init = h0 / d final state (optional), last = final state / d h0; layout [S, H, P, C, V]."""
+    """Chains a group's chunks elementwise over a [BLOCK_C, BLOCK_V] tile of the state, in float32:
+    forward, x[c] = chunk c's update, out[c] = the state before chunk c (h' = e^b_last h + update);
+    REVERSE, x[c] = (q e^b)^T do, out[c] = the gradient of the state after chunk c (dh = e^b_last dh' + x[c]).
+    out may be x itself (step i writes slot i after its load) or a buffer of the activations' dtype.
+    init = h0 / d final state (optional), last = final state / d h0 (float32); layout [S, H, P, C, V]."""
     tile, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     tiles_v = tl.cdiv(V, BLOCK_V)
     c = (tile // tiles_v) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -179,7 +182,8 @@ def _scan_kernel(x_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr, NC, H, C
     x1, d1 = _scan_load(x_ptr, decay_ptr, first, n_chunks, 1, h, NC, H, C, V, cv, c, m, REVERSE)
     for i in range(n_chunks):
         x2, d2 = _scan_load(x_ptr, decay_ptr, first, n_chunks, i + 2, h, NC, H, C, V, cv, c, m, REVERSE)
-        tl.store(x_ptr + _scan_at(first, n_chunks, i, h, NC, REVERSE) * C * V + cv, state, mask=m)
+        tl.store(out_ptr + _scan_at(first, n_chunks, i, h, NC, REVERSE) * C * V + cv,
+                 state.to(out_ptr.dtype.element_ty), mask=m)
         state = state * tl.exp(d0)[:, None] + x0
         x0, d0, x1, d1 = x1, d1, x2, d2
     tl.store(last_ptr + state_at + cv, state, mask=m)
@@ -226,87 +230,64 @@ def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k
 
 
 @triton.jit
-def _dq_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr,
-               ks_ptr, gs_ptr, do_ptr, h_ptr, dq_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
-               BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq_row = scale * (dA (k e^-b) + do h^T) e^b, with dA = tril(do v^T); pairwise when e^-b would overflow."""
+def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
+                     qs_ptr, ks_ptr, gs_ptr, do_ptr, h_ptr, final_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, G, NC, H, C, V,
+                     N, P, scale, BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """With dA = tril(do v^T), both from one pass over the value blocks:
+    dq_row = scale * (dA (k e^-b) + do h^T) e^b,  dk_row = (dA^T (q e^b)) e^-b + (v dh_after^T) e^(b_last - b),
+    dg_row from q dq - k dk (module docstring); pairwise when e^-b would overflow."""
     cid, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
     if tl.max(live.to(tl.int32)) == 0:
         return
-    _, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
-                                BT, BLOCK_C, BLOCK_N)
     dt = do_ptr.dtype.element_ty
     c = tl.arange(0, BLOCK_C)
     dA = tl.zeros([BT, BT], tl.float32)
-    dq = tl.zeros([BT, BLOCK_C], tl.float32)
-    for vb in range(tl.cdiv(V, BLOCK_V)):
-        d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-        m = live[:, None] & (d < V)
-        do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
-        v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
-        state = tl.load(h_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, mask=(c[:, None] < C) & (d < V),
-                        other=0.0)
-        dA += tl.dot(do, tl.trans(v))
-        dq += tl.dot(do, tl.trans(state.to(dt)))
-    t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
-    dA = tl.where(t >= s, dA, 0.0)
-    if tl.min(b) > -FACTORISED_LIMIT:
-        dq += tl.dot(dA.to(dt), (k * tl.exp(-b)).to(dt))
-        dq *= tl.exp(b)
-    else:
-        dq *= tl.exp(b)
-        for j in range(BT):
-            a = tl.sum(tl.where(s == j, dA, 0.0), 1)
-            dq += a[:, None] * _row_of(k, j, BT)[None, :] * tl.exp(tl.minimum(b - _row_of(b, j, BT)[None, :], 0.0))
-    tl.store(dq_ptr + r[:, None] * H * C + h * C + c[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=live[:, None] & (c[None, :] < C))
-
-
-@triton.jit
-def _dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr,
-                  ks_ptr, gs_ptr, do_ptr, h_ptr, final_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, G, NC, H, C, V, N, P, scale,
-                  BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """dk_row = (dA^T (q e^b)) e^-b + (v dh_after^T) e^(b_last - b); dg_row from q dq - k dk (module docstring)."""
-    cid, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
-    if tl.max(live.to(tl.int32)) == 0:
-        return
-    q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     scale, BT, BLOCK_C, BLOCK_N)
-    dt = do_ptr.dtype.element_ty
-    c = tl.arange(0, BLOCK_C)
-    dA = tl.zeros([BT, BT], tl.float32)
+    dq = tl.zeros([BT, BLOCK_C], tl.float32)  # w.r.t. the scaled q
     dk = tl.zeros([BT, BLOCK_C], tl.float32)
     dgh = tl.zeros([BLOCK_C], tl.float32)  # sum_v(h_after * dh_after)
-    last = cid == tl.load(chunk_first_ptr + g + 1) - 1
+    # h after this chunk: the next chunk's state, or the group's final state (float32) after its last chunk.
+    # (A tile, not a scalar, because Triton's interpreter refuses a scalar inside a load mask.)
+    has_next = tl.zeros([BLOCK_C, BLOCK_V], tl.int64) + tl.load(chunk_first_ptr + g + 1) > cid + 1
     final_at = (((g // P) * H + h) * P + g % P) * C * V
-    after_ptr = tl.where(last, final_ptr + final_at, h_ptr + (h * NC + cid + 1) * C * V)
     for vb in range(tl.cdiv(V, BLOCK_V)):
         d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         m = live[:, None] & (d < V)
         do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
         v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
         in_cv = (c[:, None] < C) & (d < V)
-        dh = tl.load(dh_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, mask=in_cv, other=0.0)
+        at = (h * NC + cid) * C * V + c[:, None] * V + d
+        state = tl.load(h_ptr + at, mask=in_cv, other=0.0)
+        dh = tl.load(dh_ptr + at, mask=in_cv, other=0.0)
+        after = tl.load(h_ptr + at + C * V, mask=in_cv & has_next, other=0.0).to(tl.float32)
+        after += tl.load(final_ptr + final_at + c[:, None] * V + d, mask=in_cv & ~has_next, other=0.0)
         dA += tl.dot(do, tl.trans(v))
+        dq += tl.dot(do, tl.trans(state.to(dt)))
         dk += tl.dot(v, tl.trans(dh.to(dt)))
-        dgh += tl.sum(tl.load(after_ptr + c[:, None] * V + d, mask=in_cv, other=0.0) * dh, 1)
+        dgh += tl.sum(after * dh.to(tl.float32), 1)
+    # The rows' inputs only now: the loop above keeps fewer registers live without them.
+    q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
+                                     scale, BT, BLOCK_C, BLOCK_N)
     dk *= tl.exp(b_last[None, :] - b)
     t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
     dA = tl.where(t >= s, dA, 0.0)
     if tl.min(b) > -FACTORISED_LIMIT:
+        dq += tl.dot(dA.to(dt), (k * tl.exp(-b)).to(dt))
+        dq *= tl.exp(b)
         dk += tl.dot(tl.trans(dA.to(dt)), (q * tl.exp(b)).to(dt)) * tl.exp(-b)
     else:
+        dq *= tl.exp(b)
         for j in range(BT):
             a = tl.sum(tl.where(s == j, dA, 0.0), 1)
-            row = tl.sum(a[:, None] * q * tl.exp(tl.minimum(b - _row_of(b, j, BT)[None, :], 0.0)), 0)
+            b_j = _row_of(b, j, BT)[None, :]
+            dq += a[:, None] * _row_of(k, j, BT)[None, :] * tl.exp(tl.minimum(b - b_j, 0.0))
+            row = tl.sum(a[:, None] * q * tl.exp(tl.minimum(b - b_j, 0.0)), 0)
             dk += tl.where(t == j, row[None, :], 0.0)
+    dg = tl.cumsum(q * dq - k * dk, 0, reverse=True) + dgh[None, :]
     hc = r[:, None] * H * C + h * C + c[None, :]
     m = live[:, None] & (c[None, :] < C)
-    dq = tl.load(dq_ptr + hc, mask=m, other=0.0).to(tl.float32) / scale  # w.r.t. the scaled q
-    dg = tl.cumsum(q * dq - k * dk, 0, reverse=True) + dgh[None, :]
+    tl.store(dq_ptr + hc, (dq * scale).to(dq_ptr.dtype.element_ty), mask=m)
     tl.store(dk_ptr + hc, dk.to(dk_ptr.dtype.element_ty), mask=m)
     tl.store(dg_ptr + hc, dg, mask=m)
 
@@ -330,21 +311,28 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
 
 
-def _meta(C, V, N, chunk_size):
+def _launch(kernel, C, V, N, chunk_size):
+    """Block sizes and launch settings of one chunk kernel. `LAUNCH[kernel]["BLOCK_V"]` caps the value columns of
+    one program: every program of a chunk rebuilds the chunk's rows (and the output kernels its scores), so fewer,
+    wider programs rebuild them fewer times, at the cost of registers."""
     p2 = triton.next_power_of_2
-    return dict(BT=chunk_size, BLOCK_C=p2(C), BLOCK_V=min(p2(V), 64), BLOCK_N=p2(N))
+    launch = dict(LAUNCH[kernel])
+    return dict(BT=chunk_size, BLOCK_C=p2(C), BLOCK_V=min(p2(V), launch.pop("BLOCK_V")), BLOCK_N=p2(N), **launch)
 
 
-def _chunk_grid(tables, H, V, meta):
-    return (tables[3].numel(), H, triton.cdiv(V, meta["BLOCK_V"]))
+def _chunk_grid(tables, H, V, launch):
+    return (tables[3].numel(), H, triton.cdiv(V, launch["BLOCK_V"]))
 
 
-# Launch settings of the chunk kernels (Triton's num_warps / num_stages): the best of bench/sse_indexed_launch.py
-# on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier all-default stages, the
-# per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients bit-identical).
-LAUNCH = {"chunk_sums": dict(num_warps=4, num_stages=3), "scan": dict(num_warps=4, num_stages=2),
-          "output": dict(num_warps=8, num_stages=3), "dv": dict(num_warps=8, num_stages=3),
-          "dq": dict(num_warps=8, num_stages=3), "dk_dg": dict(num_warps=8, num_stages=3)}
+# Launch settings of the chunk kernels (value columns per program, Triton's num_warps / num_stages): the best of
+# bench/sse_indexed_launch.py on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier
+# all-default stages, the per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients
+# bit-identical). dq_dk_dg: 3 stages need more shared memory than an H100 has with float32 inputs.
+LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
+          "scan": dict(BLOCK_V=64, num_warps=4, num_stages=2),
+          "output": dict(BLOCK_V=128, num_warps=8, num_stages=3),
+          "dv": dict(BLOCK_V=128, num_warps=8, num_stages=3),
+          "dq_dk_dg": dict(BLOCK_V=64, num_warps=8, num_stages=2)}
 
 
 class _IndexedChunk(torch.autograd.Function):
@@ -354,14 +342,14 @@ class _IndexedChunk(torch.autograd.Function):
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
         L, H, C = q.shape
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
-        meta = _meta(C, V, N, chunk_size)
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
-        h, final = _chained(sources, v, initial_state, tables, scale, meta, query=False)
+        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
-        _output_kernel[_chunk_grid(tables, H, V, meta)](
+        launch = _launch("output", C, V, N, chunk_size)
+        _output_kernel[_chunk_grid(tables, H, V, launch)](
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
-            P, scale, **meta, **LAUNCH["output"])
+            P, scale, **launch)
         del h, sources
         o = torch.empty(L, H, V, dtype=v.dtype, device=v.device)
         if L:
@@ -369,34 +357,33 @@ class _IndexedChunk(torch.autograd.Function):
                                       triton.next_power_of_2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *tables[:6])
-        ctx.rest = (S, P, scale, row_topk, meta)
+        ctx.rest = (S, P, scale, row_topk, chunk_size)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final,
          *index) = ctx.saved_tensors
-        S, P, scale, row_topk, meta = ctx.rest
+        S, P, scale, row_topk, chunk_size = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
         L, H, C = q.shape
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.contiguous()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
-        h, _ = _chained(sources, v, initial_state, tables, scale, meta, query=False)  # recomputed, not saved
-        dh, dh0 = _chained(sources, do, dfinal, tables, scale, meta, query=True)
+        h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)  # recomputed, not saved
+        dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
         dg_rows = torch.empty(R, H, C, dtype=torch.float32, device=q.device)
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
         q_, keys, g, e, qs, keys_s, gs = sources
-        grid = _chunk_grid(tables, H, V, meta)
         index = (row_token, cu, chunk_first, chunk_group)
-        _dv_kernel[grid](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC, H, C, V, N, P, scale,
-                         **meta, **LAUNCH["dv"])
-        _dq_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, dq_rows, G, NC, H, C, V, N, P, scale,
-                             **meta, **LAUNCH["dq"])
-        _dk_dg_kernel[grid[:2]](*index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows,
-                                dg_rows, G, NC, H, C, V, N, P, scale, **meta, **LAUNCH["dk_dg"])
+        launch = _launch("dv", C, V, N, chunk_size)
+        _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
+                                                      H, C, V, N, P, scale, **launch)
+        _dq_dk_dg_kernel[_chunk_grid(tables, H, V, launch)[:2]](
+            *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
+            P, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk)
@@ -404,25 +391,30 @@ class _IndexedChunk(torch.autograd.Function):
         return (*grads, dh0, None, None, None, None)
 
 
-def _chained(sources, x, init, tables, scale, meta, query):
+def _chained(sources, x, init, tables, scale, chunk_size, query):
     """Going forward (x = v, init = h0): the state before every chunk [H, NC, C, V] and the final states
     [S, H, P, C, V]. Going backward (query, x = do, init = d final): the gradient of the state after every chunk
-    and d h0. Both float32."""
+    and d h0. The chain runs in float32; the per-chunk states are stored in x's dtype, as fla stores its chunk
+    states: the kernels that read them cast them to it for their dots anyway, and bf16 halves their largest read.
+    The final state / d h0 stay float32."""
     q, keys, g, e, qs, keys_s, gs = sources
     row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
     L, H, C = q.shape
     V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
-    states = torch.empty(H, NC, C, V, dtype=torch.float32, device=q.device)
+    sums = torch.empty(H, NC, C, V, dtype=torch.float32, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
-    sums_meta = meta | dict(BLOCK_V=triton.next_power_of_2(V))  # one program per chunk: the rows are built once
-    _chunk_sums_kernel[(NC, H, 1)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e, qs, keys_s, gs,
-                                   states, decay, G, NC, H, C, V, N, P, scale, query, **sums_meta,
-                                   **LAUNCH["chunk_sums"])
+    launch = _launch("chunk_sums", C, V, N, chunk_size)
+    _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
+                                                          qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, scale,
+                                                          query, **launch)
+    states = sums if x.dtype == torch.float32 else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
-    block_c, block_v = min(meta["BLOCK_C"], 32), meta["BLOCK_V"]
+    launch = _launch("scan", C, V, N, chunk_size)
+    block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
     tiles = triton.cdiv(C, block_c) * triton.cdiv(V, block_v)
-    _scan_kernel[(tiles, H, G)](states, decay, chunk_first, init.contiguous() if init is not None else last, last,
-                                NC, H, C, V, P, init is not None, query, block_c, block_v, **LAUNCH["scan"])
+    _scan_kernel[(tiles, H, G)](sums, states, decay, chunk_first, init.contiguous() if init is not None else last,
+                                last, NC, H, C, V, P, init is not None, query, block_c, block_v,
+                                num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return states, last
 
 
