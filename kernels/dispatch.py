@@ -5,6 +5,7 @@ import importlib.util
 
 import torch
 
+from kernels.norm_gate import norm_gate_torch
 from kernels.sse import sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
 
 
@@ -25,6 +26,7 @@ IMPLEMENTATIONS = {
     "triton_indexed": _lazy("kernels.triton.indexed_chunk", "sse_triton_indexed"),
 }
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
+NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -110,3 +112,13 @@ def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top
     return DECODE_IMPLEMENTATIONS[impl](state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                         q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
                                         scale=scale, out=out, decay_normalizer=decay_normalizer)
+
+
+def norm_gate(o, weight, gate, *, eps, impl="auto"):
+    """w * rmsnorm(o) * silu(gate) over the last dimension (the SSE layer's output step, kernels/norm_gate.py).
+    The Triton kernels on CUDA: one launch each way and no float32 copies kept for the backward."""
+    if impl == "auto":
+        impl = "triton" if o.device.type == "cuda" and _installed("triton") else "torch"
+    if impl not in NORM_GATE_IMPLEMENTATIONS:
+        raise ValueError(f"unknown norm-gate implementation {impl!r}; known: {sorted(NORM_GATE_IMPLEMENTATIONS)}")
+    return NORM_GATE_IMPLEMENTATIONS[impl](o, weight, gate, eps)

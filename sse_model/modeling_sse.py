@@ -178,7 +178,7 @@ class SSELayer(nn.Module):
         """Per-head RMSNorm, swish output gate, output projection."""
         B, T, _ = x.shape
         gate = self.g_proj(x).view(B, T, self.num_heads, self.value_dim)
-        return self.o_proj(sse_math.gated_output(self.o_norm(o), gate).reshape(B, T, -1))
+        return self.o_proj(kernels.norm_gate(o, self.o_norm.weight, gate, eps=self.o_norm.eps).reshape(B, T, -1))
 
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         inputs = self.project(x, token_mask)

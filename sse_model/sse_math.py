@@ -19,5 +19,6 @@ def shared_partition_qk(q: torch.Tensor, k_logits: torch.Tensor, q_lora: torch.T
 
 
 def gated_output(o_normed: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
-    """The per-head-normalised operator output times the swish output gate (before W_o)."""
+    """The per-head-normalised operator output times the swish output gate (before W_o). The HF model's training
+    runs this step fused with the norm (`kernels.norm_gate`, tested against this math in tests/test_model.py)."""
     return o_normed * F.silu(gate_logits)

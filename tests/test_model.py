@@ -339,3 +339,22 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert rel_err(grads[1], grads[0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_step_is_the_norm_then_the_gate(dtype):
+    """The HF layer's fused output step (`kernels.norm_gate`, its torch twin on CPU) is o_norm then
+    `sse_math.gated_output`, the modules the vLLM model runs, bit for bit, gradients included."""
+    from sse_model import sse_math
+    torch.manual_seed(0)
+    layer = SSEForCausalLM(tiny_config()).model.layers[0].linear_attn.to(dtype)
+    layer.o_norm.weight.data.normal_()
+    x, o = torch.randn(2, 7, 64, dtype=dtype), torch.randn(2, 7, 2, 16, dtype=dtype, requires_grad=True)
+    gate = layer.g_proj(x).view(2, 7, 2, 16)
+    fused = layer.output(o, x)
+    plain = layer.o_proj(sse_math.gated_output(layer.o_norm(o), gate).reshape(2, 7, -1))
+    assert torch.equal(fused, plain)
+    dy = torch.randn_like(fused)
+    wrt = (o, layer.o_norm.weight)
+    for a, b in zip(torch.autograd.grad(fused, wrt, dy), torch.autograd.grad(plain, wrt, dy)):
+        assert torch.equal(a, b)

@@ -462,6 +462,32 @@ def test_decode_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The layer's output step: w * rmsnorm(o) * silu(gate).
+
+@pytest.mark.parametrize("rows, D, dtype, tol", [
+    (37, 16, F32, 1e-5),    # rows not a multiple of the kernel's 16
+    (5, 40, F32, 1e-5),     # D not a power of two
+    (0, 16, F32, 0.0),      # no rows
+    (50, 128, BF16, 1e-2),  # the models' head width, bf16
+])
+def test_norm_gate_vs_float64_twin(device, rows, D, dtype, tol):
+    """Forward and backward (o, weight, gate) of the fused kernels against the torch twin in float64."""
+    from kernels.norm_gate import norm_gate_torch
+    from kernels.triton.norm_gate import norm_gate_triton
+    o, gate = (torch.randn(rows, 2, D, device=device) * 3 for _ in range(2))
+    weight, dy = torch.randn(D, device=device), torch.randn(rows, 2, D, device=device)
+    results = {}
+    for name, fn, cast in (("triton", norm_gate_triton, dtype), ("twin", norm_gate_torch, torch.float64)):
+        leaves = [x.to(cast).requires_grad_() for x in (o, weight, gate)]
+        y = fn(*leaves, 1e-6)
+        assert y.dtype == cast
+        results[name] = [y, *torch.autograd.grad(y, leaves, dy.to(cast))]
+    errors = {n: rel_err(a, b) for n, a, b in zip(["y", "d_o", "d_weight", "d_gate"], *results.values())}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert rows == 0 or max(errors.values()) < tol, errors
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The model: "auto" takes a Triton path on GPU.
 
 @pytest.mark.gpu
