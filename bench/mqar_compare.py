@@ -4,12 +4,13 @@ number of pairs for the runs of configs/mqar_*.yaml.
     for c in sse_h sse gla transformer sse_dense; do sse-rl run configs/mqar_$c.yaml; done
     python bench/mqar_compare.py [--runs runs] [--out bench/results] [--tag DATE]
 
-Reads each run's eval `metrics.json` (query accuracy by number of pairs, Zoology's measure, with its 95 %
-bootstrap interval) and `<dataset>.samples.jsonl` (per problem, for paired differences: every model answers
-the same problems), the parameter counts from the run's initial model and the stage times from its manifest.
-Writes bench/results/mqar_compare_<tag>.{png,md,json}: the plot (accuracy vs pairs, 95 % CI error bars, one
-line per model), the tables and, per number of pairs, the paired difference of the comparisons the issue names
-with its 95 % interval (problems resampled with both models' answers together).
+Reads each run's eval `metrics.json` (query accuracy by number of pairs, Zoology's measure: teacher-forced, every
+query of every sequence, with its 95 % bootstrap interval) and `<dataset>.samples.jsonl` (per problem, for paired
+differences: every model answers the same problems), the parameter counts from the run's initial model and the
+stage times from its manifest. Writes bench/results/mqar_compare_<tag>.{png,md,json}: the plot (accuracy vs
+pairs, 95 % CI error bars, one line per model, the chance and elimination levels), the tables and, per number of
+pairs, the paired difference of the comparisons the issue names with its 95 % interval (problems resampled with
+both models' answers together).
 """
 import argparse
 import datetime
@@ -25,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 from eval.metrics import paired_change  # noqa: E402
 
 # (label, run name) in the order of the plot's legend and the table.
-MODELS = [("Transformer", "mqar-transformer"), ("SSE-H", "mqar-sse-h"), ("SSE (all layers)", "mqar-sse"),
-          ("SSE-H dense (K = N)", "mqar-sse-dense"), ("GLA", "mqar-gla")]
+MODELS = [("Transformer", "mqar-zoology-transformer"), ("SSE-H", "mqar-zoology-sse-h"),
+          ("SSE (all layers)", "mqar-zoology-sse"), ("SSE-H dense (K = N)", "mqar-zoology-sse-dense"),
+          ("GLA", "mqar-zoology-gla")]
 # Paired differences reported per number of pairs: (a, b) gives a - b.
 COMPARISONS = [("Transformer", "SSE-H"), ("SSE-H", "GLA"), ("SSE (all layers)", "GLA"),
                ("SSE-H", "SSE-H dense (K = N)")]
@@ -106,6 +108,13 @@ def differences(runs: dict) -> list[dict]:
     return out
 
 
+def elimination_level(pairs: int) -> float:
+    """Per-query accuracy of a model that answers each query with a value of the context not yet asked, at random:
+    the mean over the n queries of 1 / (values left), (1/n) * (1 + 1/2 + ... + 1/n). Every key is queried once, so
+    this much needs no key-value binding at all; recall is accuracy above it."""
+    return sum(1 / k for k in range(1, pairs + 1)) / pairs
+
+
 def pct(fraction: float) -> str:
     """A fraction as the tables' percent (one decimal)."""
     return f"{100 * fraction:.1f}"
@@ -114,12 +123,14 @@ def pct(fraction: float) -> str:
 def markdown(runs: dict, diffs: list[dict], meta: dict) -> str:
     pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
     lines = [f"# MQAR comparison, {meta['date']}", "",
-             f"Dataset `{next(iter(runs.values()))['dataset']}`; query accuracy in % (Zoology's measure; here "
-             "one query per sample, so the same as exact accuracy) with the 95 % bootstrap interval over problems. "
-             f"Machine: {meta['machine']}.", "",
+             f"Dataset `{next(iter(runs.values()))['dataset']}`; per-query accuracy in % (Zoology's measure: the "
+             "greedy next token after each query key, teacher-forced) with the 95 % bootstrap interval over "
+             "problems (sequences). Elimination level: answering each query with a value of the context not yet "
+             f"asked. Machine: {meta['machine']}.", "",
              "| model | run | parameters (non-embedding) | SFT s | eval s | all | "
              + " | ".join(f"{p} pairs" for p in pairs) + " |",
              "| --- " * (6 + len(pairs)) + "|"]
+    lines.append("| elimination level | | | | | | " + " | ".join(pct(elimination_level(p)) for p in pairs) + " |")
     for label, r in runs.items():
         by = {g["num_pairs"]: g for g in r["by_num_pairs"]}
         params = r["parameters"]
@@ -155,10 +166,10 @@ def plot(runs: dict, path: Path, title: str, values: int | None = None) -> None:
         err = [[100 * (g["accuracy"] - g["ci95"][0]) for g in by], [100 * (g["ci95"][1] - g["accuracy"]) for g in by]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
     pairs = sorted({g["num_pairs"] for r in runs.values() for g in r["by_num_pairs"]})
-    if values:  # chance levels: any value of the vocabulary; a value of the context (1 / pairs)
+    if values:  # chance: any value of the vocabulary
         ax.axhline(100 / values, color="grey", linestyle="--", linewidth=1, label=f"chance (1/{values} values)")
-        ax.plot(pairs, [100 / p for p in pairs], color="grey", linestyle=":", linewidth=1,
-                label="a random value of the context (1/pairs)")
+    ax.plot(pairs, [100 * elimination_level(p) for p in pairs], color="grey", linestyle=":", linewidth=1,
+            label="elimination: a value not yet asked")
     ax.set_xticks(pairs)
     ax.set_xlabel("key-value pairs in the context")
     ax.set_ylabel("query accuracy, % (95 % CI)")
@@ -175,8 +186,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=str(ROOT / "runs"), help="the runs' parent folder")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("--values", type=int, default=16, help="value codes of the task (vocab_size / 2), for "
-                        "the plot's chance lines; 0: none")
+    parser.add_argument("--values", type=int, default=32, help="value codes of the task (vocab_size / 2), for "
+                        "the plot's chance line; 0: none")
     parser.add_argument("--tag", default=datetime.date.today().isoformat(), help="file name suffix")
     args = parser.parse_args(argv)
     runs = {}

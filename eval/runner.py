@@ -1,4 +1,6 @@
-"""avg@k evaluation through vLLM: n samples per problem, graded by rewards.grade, resumable.
+"""avg@k evaluation through vLLM: n samples per problem, graded by rewards.grade, resumable. MQAR in Zoology's
+format (rows with a `sequence` column) is scored teacher-forced instead, as Zoology does: one forward pass of the
+HF model over the sequence, and query j is right when the greedy next token after its key is its value.
 
 Output directory:
     run.json                  generation settings; a resumed run must use the same ones
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from eval.metrics import compute_metrics
 from pipeline.data import prompts
-from pipeline.data.loaders import load_benchmark
+from pipeline.data.loaders import answer_positions, code_token_ids, load_benchmark
 from pipeline.data.retrieval import TASK_COLUMNS
 from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.retrieval import grade_answer
@@ -36,6 +38,7 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
 
     `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
     when some sample is missing (a finished evaluation then reruns without starting an engine).
+    `model_name`: the model's directory; teacher-forced datasets load the model from it with transformers.
     `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source).
     `seed` None: unseeded sampling.
     `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
@@ -46,9 +49,13 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
     settings = {"model": model_name, "n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
                 "seed": seed, "system_prompt": prompts.SYSTEM_PROMPT, "instruction": prompts.INSTRUCTION}
     _check_settings(out / "run.json", settings)
-    results = {}
+    results, scorer = {}, None
     for spec in datasets:
         name, rows = load_benchmark(spec, limit)
+        teacher_forced = "sequence" in rows.column_names
+        if teacher_forced and n != 1:
+            raise ValueError(f"{name}: Zoology-format MQAR is scored teacher-forced (one greedy prediction per "
+                             f"query), so n must be 1, got {n}")
         ids = [row["id"] for row in rows]
         if len(set(ids)) != len(ids):
             duplicate = next(i for i in ids if ids.count(i) > 1)
@@ -60,12 +67,16 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
         if progress:
             progress(name, len(rows) - len(todo), len(rows))
         for start in range(0, len(todo), batch_problems):
-            if not hasattr(llm, "generate"):  # a factory: start the engine now that it is needed
-                llm = llm()
             batch = todo[start:start + batch_problems]
-            samples = _generate(llm, name, batch, n=n, temperature=temperature, top_p=top_p,
-                                max_tokens=max_tokens, seed=seed)
-            _grade(samples, grading_timeout)
+            if teacher_forced:
+                scorer = scorer or TeacherForced(model_name)
+                samples = [scorer.score(row) for row in batch]
+            else:
+                if not hasattr(llm, "generate"):  # a factory: start the engine now that it is needed
+                    llm = llm()
+                samples = _generate(llm, name, batch, n=n, temperature=temperature, top_p=top_p,
+                                    max_tokens=max_tokens, seed=seed)
+                _grade(samples, grading_timeout)
             _append(path, samples)
             for sample in samples:
                 finished.setdefault(sample["id"], []).append(sample)
@@ -114,6 +125,36 @@ def _generate(llm, dataset: str, batch: list[dict], *, n, temperature, top_p, ma
                             "truncated": completion.finish_reason == "length",
                             **{k: row[k] for k in TASK_COLUMNS if k in row}})
     return samples
+
+
+class TeacherForced:
+    """Zoology's MQAR accuracy: the model (transformers, float32) reads a row's whole code sequence once; query j
+    is right when the argmax of the next-token logits at its key is the value's token. Greedy decoding of one
+    code after the same prefix gives the same prediction, without a generation engine."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def score(self, row: dict) -> dict:
+        """The row's one sample, graded: `query_correct` per query, `correct` when every query is right."""
+        ids = code_token_ids(self.tokenizer, row["sequence"])
+        answers = answer_positions(len(ids), row["num_queries"])
+        with self.torch.no_grad():
+            logits = self.model(self.torch.tensor([ids])).logits[0]
+        predicted = logits[[p - 1 for p in answers]].argmax(-1).tolist()
+        query_correct = [token == ids[p] for token, p in zip(predicted, answers, strict=True)]
+        text = " ".join(self.tokenizer.decode([token]).strip() for token in predicted)
+        return {"id": row["id"], "sample": 0, "completion": text, "answer": row["answer"], "extracted": text,
+                "num_tokens": len(predicted), "finish_reason": "teacher_forced", "truncated": False,
+                **{k: row[k] for k in TASK_COLUMNS}, "grade": "correct" if all(query_correct) else "wrong",
+                "correct": all(query_correct), "query_correct": query_correct}
 
 
 def _grade(samples: list[dict], timeout: float):

@@ -7,7 +7,7 @@ import torch
 
 from eval.runner import samples_path
 from pipeline.data import prompts
-from pipeline.data.loaders import load_benchmark
+from pipeline.data.loaders import code_token_ids, load_benchmark
 
 
 def state_report(model_dir: str, datasets: list, out_dir, problems: int) -> dict[str, list[list[float]]] | None:
@@ -31,9 +31,12 @@ def state_report(model_dir: str, datasets: list, out_dir, problems: int) -> dict
             for line in f:
                 sample = json.loads(line)
                 first.setdefault(sample["id"], sample["completion"])
-        sequences = [prompts.prompt_token_ids(tokenizer, row["prompt"])
-                     + tokenizer(first[row["id"]], add_special_tokens=False)["input_ids"]
-                     for row in rows if row["id"] in first]  # eval.limit may have left fewer problems
+        if "sequence" in rows.column_names:  # Zoology-format MQAR: the model read the whole code sequence
+            sequences = [code_token_ids(tokenizer, row["sequence"]) for row in rows if row["id"] in first]
+        else:
+            sequences = [prompts.prompt_token_ids(tokenizer, row["prompt"])
+                         + tokenizer(first[row["id"]], add_special_tokens=False)["input_ids"]
+                         for row in rows if row["id"] in first]  # eval.limit may have left fewer problems
         if sequences:
             report[name] = state_entropy(model, sequences).tolist()
     (out_dir / "state.md").write_text(markdown(report, model.config) + "\n")

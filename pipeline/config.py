@@ -601,6 +601,13 @@ def _check(cfg: Config) -> None:
     for key, src in [("data.sft", cfg.data.sft), ("data.grpo", cfg.data.grpo),
                      *((f"data.eval[{i}]", e) for i, e in enumerate(cfg.data.eval) if isinstance(e, DataSource))]:
         _check_task(src.generator, f"{key}.generator", src.source)
+        if src.generator.task == "mqar" and src.generator.options.get("format") == "zoology":
+            # A code sequence has no prompt to generate from: SFT trains on it, eval scores it teacher-forced.
+            require(key != "data.grpo", "data.grpo.generator.options.format", "zoology is for SFT and eval only "
+                    "(GRPO generates answers to prompts); use format: prose")
+            require(key == "data.sft" or cfg.eval.n == 1, "eval.n", f"{key} is Zoology-format MQAR, scored "
+                    f"teacher-forced with one greedy prediction per query: n must be 1, got {cfg.eval.n}",
+                    [f"{key}.generator.options.format"])
     for i, entry in enumerate(cfg.data.eval):
         if isinstance(entry, str):
             require(entry in BENCHMARKS, f"data.eval[{i}]",

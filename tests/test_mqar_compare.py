@@ -11,10 +11,10 @@ from pipeline.config import load_config, resolve
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = {
-    "mqar_sse.yaml": {"layer_types": ["linear_attention"] * 4, "intermediate_size": 368},
+    "mqar_sse.yaml": {"layer_types": ["linear_attention"] * 2, "intermediate_size": 352},
     "mqar_gla.yaml": {"sse_num_partitions": 1, "sse_top_k": 1, "sse_shared_partition": False,
-                      "intermediate_size": 392},
-    "mqar_transformer.yaml": {"layer_types": ["full_attention"] * 4, "intermediate_size": 432},
+                      "intermediate_size": 390},
+    "mqar_transformer.yaml": {"layer_types": ["full_attention"] * 2, "intermediate_size": 417},
     "mqar_sse_dense.yaml": {"sse_top_k": 4},
 }
 
@@ -56,10 +56,10 @@ def fake_run(root: Path, name: str, correct: dict[int, list[bool]]) -> None:
 
 def test_compare_writes_table_differences_and_plot(tmp_path):
     runs = tmp_path / "runs"
-    fake_run(runs, "mqar-transformer", {4: [True] * 40, 16: [True] * 40})
-    fake_run(runs, "mqar-sse-h", {4: [True] * 40, 16: [True] * 20 + [False] * 20})
-    fake_run(runs, "mqar-gla", {4: [True] * 39 + [False], 16: [False] * 40})
-    (runs / "mqar-sse").mkdir()  # a run whose eval stage has not finished
+    fake_run(runs, "mqar-zoology-transformer", {4: [True] * 40, 16: [True] * 40})
+    fake_run(runs, "mqar-zoology-sse-h", {4: [True] * 40, 16: [True] * 20 + [False] * 20})
+    fake_run(runs, "mqar-zoology-gla", {4: [True] * 39 + [False], 16: [False] * 40})
+    (runs / "mqar-zoology-sse").mkdir()  # a run whose eval stage has not finished
     result = mqar_compare.main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--tag", "t"])
     assert list(result["runs"]) == ["Transformer", "SSE-H", "GLA"]  # absent and unfinished runs are left out
     sse = result["runs"]["SSE-H"]
@@ -73,6 +73,8 @@ def test_compare_writes_table_differences_and_plot(tmp_path):
     assert verdicts[("SSE-H", "GLA", 4)][1] == "overlap"
     assert not any(d["b"] == "SSE-H dense (K = N)" for d in result["differences"])
     md = (tmp_path / "out" / "mqar_compare_t.md").read_text()
-    assert "| SSE-H | mqar-sse-h |  | 12 |  | 75.0 (" in md and "| Transformer | SSE-H | 16 | 40 | +50.0 (" in md
+    assert "| SSE-H | mqar-zoology-sse-h |  | 12 |  | 75.0 (" in md
+    assert "| Transformer | SSE-H | 16 | 40 | +50.0 (" in md
+    assert "| elimination level | | | | | | 52.1 | 21.1 |" in md  # (1 + 1/2 + ... + 1/n) / n at 4 and 16 pairs
     assert (tmp_path / "out" / "mqar_compare_t.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "out" / "mqar_compare_t.json").read_text())["differences"] == result["differences"]

@@ -9,16 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 
+from eval import runner
 from eval.metrics import accuracy_by_group, compute_metrics, query_position_accuracy
 from eval.runner import evaluate, markdown_report, problem_seed
 from pipeline import config
 from pipeline.config import ConfigError, DataSource, GeneratorSettings
 from pipeline.data import retrieval
 from pipeline.data.loaders import (
+    DataError,
     benchmark_source,
     load_benchmark,
     load_rl_dataset,
     load_sft_dataset,
+    tokenize_codes,
 )
 from pipeline.data.retrieval import (
     ADJECTIVES,
@@ -31,7 +34,7 @@ from pipeline.data.retrieval import (
     generate_task,
     split_of,
 )
-from pipeline.data.tokenizer import train_tokenizer
+from pipeline.data.tokenizer import conversation_texts, train_tokenizer
 from rewards import build_reward
 from rewards.retrieval import grade_answer
 
@@ -209,6 +212,9 @@ def test_sources_in_trl_formats():
      "cannot hold 32 pairs"),
     ("mqar", {"vocab_size": 100}, "options.vocab_size", "must exceed every context_length"),
     ("mqar", {"num_queries": 8}, "options.num_queries", "only 4 pairs"),
+    ("mqar", {"format": "zoo"}, "options.format", "expected one of 'prose', 'zoology'"),
+    ("mqar", {"format": "zoology", "mix": [{"context_length": 15, "num_pairs": 4}]}, "options.mix[0].context_length",
+     "(2 * num_pairs + 2 * queries = 16)"),
     ("niah_word", {"instruction": "weak"}, "options.instruction", "expected one of 'strong', 'none'"),
     ("niah_word", {"context_lengths": [10]}, "options.context_lengths[0]", "at least 14"),
     ("niah_word", {"context_lengths": [65536]}, "options.context_lengths[0]", "at most 44800 words"),
@@ -245,6 +251,12 @@ def _write(tmp_path, text: str):
      "c.yaml: data.grpo.generator.task: a task needs source: generator, got source 'd.jsonl'"),
     ("data:\n  eval: [niah_word_4kk]\n",
      "c.yaml: data.eval[0]: unknown eval set 'niah_word_4kk' (did you mean 'niah_word_4k'?)"),
+    ("data:\n  grpo:\n    generator: {task: mqar, options: {format: zoology}}\n",
+     "c.yaml: data.grpo.generator.options.format: zoology is for SFT and eval only"),
+    ("eval: {n: 4}\ndata:\n  eval:\n"
+     "    - {name: z, split: test, generator: {task: mqar, options: {format: zoology}}}\n",
+     "c.yaml: eval.n: data.eval[0] is Zoology-format MQAR, scored teacher-forced with one greedy prediction per query: "
+     "n must be 1, got 4"),
 ])
 def test_config_errors_name_file_and_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -388,3 +400,93 @@ def test_runner_reports_recall_by_length_and_query_position(tmp_path):
     assert report == markdown_report(json.loads((tmp_path / "metrics.json").read_text()))
     assert "Recall accuracy (%) by context length" in report and "| mqar_small | 96 | 25.0 (25.0-25.0) [2] |" in report
     assert "mqar_small: accuracy (%) by query position" in report and "| position | 1 | 2-3 | 4-7 | 8-15 |" in report
+
+
+# ---------------------------------------------------------------------------------------------------- Zoology format
+
+ZOOLOGY = {"format": "zoology", "vocab_size": 64, "mix": [{"context_length": 8, "num_pairs": 2},
+                                                          {"context_length": 20, "num_pairs": 4}]}
+
+
+def _zoology_source(split="train", n=40, options=ZOOLOGY) -> DataSource:
+    return DataSource(source="generator", name="z", split=split,
+                      generator=GeneratorSettings(task="mqar", num_examples=n, options=options))
+
+
+def test_mqar_zoology_sequence():
+    rows = generate_task("mqar", 20, options=ZOOLOGY)
+    for i, r in enumerate(rows):
+        length, pairs = ZOOLOGY["mix"][i % 2]["context_length"], ZOOLOGY["mix"][i % 2]["num_pairs"]
+        codes = r["problem"].split()
+        assert len(codes) == length and r["num_queries"] == pairs and r["format"] == "zoology"
+        lookup = dict(zip(codes[0:2 * pairs:2], codes[1:2 * pairs:2]))
+        tail = codes[length - 2 * pairs:]  # (query, value) pairs end the sequence; noise codes before them
+        assert sorted(tail[0::2]) == sorted(lookup) and all(lookup[q] == a for q, a in zip(tail[0::2], tail[1::2]))
+        assert r["answer"] == " ".join(tail[1::2])
+        for noise in codes[2 * pairs:length - 2 * pairs]:
+            assert noise not in lookup and noise not in lookup.values()
+    test = generate_task("mqar", 20, options=ZOOLOGY, split="test")
+    assert not {r["problem"] for r in rows} & {r["problem"] for r in test}
+
+
+def test_zoology_sft_rows_supervise_every_answer_code():
+    sft = load_sft_dataset(_zoology_source())
+    assert sft.column_names == ["text", "num_queries"] and sft[0]["text"].startswith(" ")
+    tokenizer = train_tokenizer(conversation_texts(sft), vocab_size=400)
+    tokens = tokenize_codes(sft, tokenizer)
+    assert tokens.column_names == ["input_ids", "completion_mask"]
+    for row, example in zip(sft, tokens):
+        codes = row["text"].split()
+        ids, mask = example["input_ids"], example["completion_mask"]
+        assert len(ids) == len(codes)  # one token per code
+        # The same code is the same token wherever it stands: the first key, its query, its value, its answer.
+        assert {c: i for c, i in zip(codes, ids)} == {c: tokenizer.convert_tokens_to_ids("\u0120" + c) for c in codes}
+        q = row["num_queries"]
+        assert mask == [0] * (len(codes) - 2 * q) + [0, 1] * q
+    # A tokenizer that splits codes is refused, not trained on misplaced answers.
+    with pytest.raises(DataError, match="codes gave [0-9]+ tokens .*: Zoology-format MQAR needs one token per code"):
+        tokenize_codes(sft, train_tokenizer(["a b c"], vocab_size=270))
+
+
+class OracleModel:
+    """A stand-in causal LM: the next token of the sequence it reads, except at positions listed in `wrong`."""
+
+    def __init__(self, vocab: int, wrong: set[int]):
+        self.vocab, self.wrong = vocab, wrong
+
+    def __call__(self, ids):
+        import torch
+        ids = ids[0].tolist()
+        logits = torch.zeros(1, len(ids), self.vocab)
+        for i in range(len(ids) - 1):
+            logits[0, i, (ids[i + 1] + (i + 1 in self.wrong)) % self.vocab] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_zoology_eval_is_teacher_forced_per_query(tmp_path, monkeypatch):
+    src = _zoology_source(split="test", n=8)
+    rows = load_rl_dataset(src)
+    assert {"sequence", "num_queries"} <= set(rows.column_names) and rows[0]["sequence"].startswith(" ")
+    tokenizer = train_tokenizer(conversation_texts(load_sft_dataset(_zoology_source(n=200))), vocab_size=400)
+    # Wrong at the first answer (position length - 2q + 1) of every sequence: 1 of the q queries.
+    wrong = {8 - 4 + 1, 20 - 8 + 1}
+
+    real = runner.TeacherForced
+
+    def scorer(model_dir):
+        s = real.__new__(real)
+        import torch
+        s.torch, s.tokenizer, s.model = torch, tokenizer, OracleModel(len(tokenizer), wrong)
+        return s
+
+    monkeypatch.setattr(runner, "TeacherForced", scorer)
+    m = evaluate(lambda: pytest.fail("no generation engine for teacher-forced rows"), [src], tmp_path, n=1,
+                 max_tokens=8, model_name="unused")["z"]
+    assert m["avg@1"] == 0.0  # every row has one query wrong
+    assert [(g["num_pairs"], g["accuracy"]) for g in m["query_accuracy_by_num_pairs"]] == [(2, 0.5), (4, 0.75)]
+    assert [p["accuracy"] for p in m["accuracy_by_query_position"]] == [0.0, 1.0, 1.0, 1.0]
+    sample = json.loads((tmp_path / "z.samples.jsonl").read_text().splitlines()[1])
+    assert sample["query_correct"] == [False, True, True, True]
+    assert sample["completion"].split()[1:] == rows[1]["answer"].split()[1:]
+    with pytest.raises(ValueError, match="teacher-forced .* n must be 1, got 2"):
+        evaluate(None, [src], tmp_path / "n2", n=2, model_name="unused")

@@ -5,8 +5,10 @@ Every source is normalised to TRL's conversational formats:
   SFT:       {"prompt": [messages], "completion": [assistant message]}   (loss on the completion)
   RL, eval:  {"prompt": [messages], "answer": str, "id": str}            (rewards read `answer`)
 A text prompt becomes one user message in the shared prompt template (`pipeline.data.prompts`); a prompt that
-is already a list of chat messages is kept as it is. A malformed row raises DataError naming the source, the
-row (the line number for JSONL) and the field.
+is already a list of chat messages is kept as it is. The exception is MQAR in Zoology's format (`options.format:
+zoology`): no prompt and no chat template, one sequence of codes per row (SFT: `text`, tokenized by
+`tokenize_codes` with the loss on the answer codes; eval: a `sequence` column, scored teacher-forced).
+A malformed row raises DataError naming the source, the row (the line number for JSONL) and the field.
 
 This package is the task layer: the stages and `eval/` import it, it imports neither.
 """
@@ -31,6 +33,8 @@ RL_FEATURES = datasets.Features(
 # RL and eval rows of a recall task also keep what grading and the eval report's breakdowns read.
 TASK_FEATURES = {"task": datasets.Value("string"), "context_length": datasets.Value("int64"),
                  "num_pairs": datasets.Value("int64")}
+# Zoology-format MQAR: the code sequence (with a leading space, see `code_text`) and how many queries end it.
+CODE_FEATURES = {"sequence": datasets.Value("string"), "num_queries": datasets.Value("int64")}
 
 
 class DataError(ValueError):
@@ -39,8 +43,56 @@ class DataError(ValueError):
 
 def load_sft_dataset(src: DataSource) -> datasets.Dataset:
     """Prompt-completion examples. Columns: `messages_field` (its last turn is the target), else
-    `prompt_field` + `completion_field` (text, or chat messages)."""
+    `prompt_field` + `completion_field` (text, or chat messages). Zoology-format MQAR: `text` (the code sequence)
+    and `num_queries`, for `tokenize_codes`."""
+    if is_code_sequence(src):
+        rows = _generated(src)
+        return datasets.Dataset.from_list(
+            [{"text": r["sequence"], "num_queries": r["num_queries"]} for r in rows],
+            datasets.Features({"text": datasets.Value("string"), "num_queries": datasets.Value("int64")}))
     return _normalise(src, _sft_row, SFT_FEATURES)
+
+
+def is_code_sequence(src: DataSource) -> bool:
+    """Whether `src` is MQAR in Zoology's format (a sequence of codes, not a prompt and an answer)."""
+    g = src.generator
+    return src.source == "generator" and g.task == "mqar" and g.options.get("format") == "zoology"
+
+
+def code_text(problem: str) -> str:
+    """The text a Zoology-format sequence is tokenized from: a leading space, so that the first code is
+    space-prefixed like every other and the byte-level BPE gives it the same token as the same code later on."""
+    return " " + problem
+
+
+def code_token_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a code sequence, one per code; a code split into several tokens would make the answer
+    positions wrong (and recall a multi-token task), so it is refused."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    codes = len(text.split())
+    if len(ids) != codes:
+        raise DataError(f"{codes} codes gave {len(ids)} tokens ({text[:60].strip()!r}...): Zoology-format MQAR needs "
+                        "one token per code; train the tokenizer on these rows (model.tokenizer.train) with enough "
+                        "entries (model.tokenizer.vocab_size) or use a smaller options.vocab_size")
+    return ids
+
+
+def answer_positions(length: int, num_queries: int) -> list[int]:
+    """Positions of the answer codes in a Zoology-format sequence of `length` codes that ends with
+    `num_queries` (query key, value) pairs."""
+    start = length - 2 * num_queries
+    return [start + 2 * j + 1 for j in range(num_queries)]
+
+
+def tokenize_codes(dataset: datasets.Dataset, tokenizer) -> datasets.Dataset:
+    """Zoology-format SFT rows as TRL's pre-tokenized examples: `input_ids` (one token per code) and
+    `completion_mask` 1 at every answer code, so the loss is on the answers only (Zoology's loss)."""
+    def encode(row):
+        ids = code_token_ids(tokenizer, row["text"])
+        answers = set(answer_positions(len(ids), row["num_queries"]))
+        return {"input_ids": ids, "completion_mask": [int(i in answers) for i in range(len(ids))]}
+
+    return dataset.map(encode, remove_columns=dataset.column_names, desc="Tokenizing code sequences")
 
 
 def load_rl_dataset(src: DataSource) -> datasets.Dataset:
@@ -99,19 +151,12 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
     make = functools.partial(make_row, src=src, label=label)
     if src.source == "generator":
         g = src.generator
-        if g.task == "arithmetic":
-            rows = generate(g.num_examples, g.levels, g.seed, src.split, g.in_head_probability)
-        else:
-            try:
-                # Rows come one after another from one seeded stream: the first `limit` are the same either way.
-                count = g.num_examples if src.limit is None else min(g.num_examples, src.limit)
-                rows = generate_task(g.task, count, g.seed, src.split, g.options)
-            except ValueError as e:
-                raise DataError(f"{label}: {e}") from None
-            if "answer" in features:
-                features = datasets.Features({**features, **TASK_FEATURES})
-                make = functools.partial(_with_task_columns, make=make)
-        return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows[:src.limit])], features)
+        rows = _generated(src)
+        if g.task != "arithmetic" and "answer" in features:
+            extra = CODE_FEATURES if is_code_sequence(src) else {}
+            features = datasets.Features({**features, **TASK_FEATURES, **extra})
+            make = functools.partial(_with_task_columns, make=make, columns=[*TASK_COLUMNS, *extra])
+        return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows)], features)
     if _is_file(src.source):
         rows = _read_file(Path(src.source), src)
         return datasets.Dataset.from_list([make(row, number) for number, row in rows], features)
@@ -127,8 +172,25 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
                   features=features, desc=f"Checking {label}")
 
 
-def _with_task_columns(row: dict, number: int, make) -> dict:
-    return {**make(row, number), **{k: row[k] for k in TASK_COLUMNS}}
+def _generated(src: DataSource) -> list[dict]:
+    """The rows of a generator source, the first `limit` of them."""
+    g = src.generator
+    if g.task == "arithmetic":
+        return generate(g.num_examples, g.levels, g.seed, src.split, g.in_head_probability)[:src.limit]
+    try:
+        # Rows come one after another from one seeded stream: the first `limit` are the same either way.
+        count = g.num_examples if src.limit is None else min(g.num_examples, src.limit)
+        rows = generate_task(g.task, count, g.seed, src.split, g.options)
+    except ValueError as e:
+        raise DataError(f"{_label(src)}: {e}") from None
+    if is_code_sequence(src):
+        for row in rows:
+            row["sequence"] = code_text(row["problem"])
+    return rows
+
+
+def _with_task_columns(row: dict, number: int, make, columns: list[str]) -> dict:
+    return {**make(row, number), **{k: row[k] for k in columns}}
 
 
 def _with_row_number(row: dict, index: int, make) -> dict:

@@ -9,6 +9,8 @@ Tasks:
              lowercase letter codes (a vocabulary of `vocab_size` codes, keys from the first half, values from
              the second, as Zoology's token ids), so with the project's tokenizer trained on the fly one code is
              one to three tokens and never splits into digits (the tokenizer spells digits one by one).
+             `format: zoology` renders a sample as Zoology's token sequence instead of a prompt and an answer:
+             `k1 v1 .. kn vn q1 a1 .. qm am`, for SFT with the loss on every answer and for teacher-forced eval.
   niah_word  Needle in a haystack of word facts ("The quiet harbor is the amber heron."), word keys and word
              values, the facts in a fresh random order per sample, with an instruction before the haystack
              ("strong") or none; one fact is asked for. After SILA's NIAH-Word (see docs/retrieval.md).
@@ -86,6 +88,9 @@ S_NIAH_VALUES = ("number", "word", "uuid")
 MQAR_TRAIN_MIX = [{"context_length": 64, "num_pairs": 4}, {"context_length": 128, "num_pairs": 8},
                   {"context_length": 256, "num_pairs": 16}, {"context_length": 256, "num_pairs": 32},
                   {"context_length": 256, "num_pairs": 64}]
+# MQAR renderings: "prose" a prompt and a generated \boxed{} answer (every task's shape), "zoology" one plain
+# sequence of codes with every query followed by its value (pipeline.data.loaders.tokenize_codes).
+MQAR_FORMATS = ("prose", "zoology")
 MQAR_TEST_MIX = [*MQAR_TRAIN_MIX, {"context_length": 512, "num_pairs": 64},
                  {"context_length": 512, "num_pairs": 128}, {"context_length": 1024, "num_pairs": 256}]
 
@@ -95,7 +100,7 @@ S_NIAH_LENGTHS = [4 * K, 8 * K, 16 * K, 32 * K]
 
 # Options per task: name -> default. `check_options` checks the values.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "mqar": {"vocab_size": 8192, "mix": MQAR_TRAIN_MIX, "num_queries": None},
+    "mqar": {"vocab_size": 8192, "mix": MQAR_TRAIN_MIX, "num_queries": None, "format": "prose"},
     "niah_word": {"context_lengths": NIAH_WORD_LENGTHS, "instruction": "strong"},
     "s_niah": {"context_lengths": S_NIAH_LENGTHS, "value": "number"},
 }
@@ -131,6 +136,9 @@ def check_options(task: str, options: dict) -> dict:
         mix = out["mix"]
         if not isinstance(mix, list) or not mix:
             raise TaskOptionError("options.mix", "expected a non-empty list of {context_length, num_pairs}")
+        _choice(out["format"], "options.format", MQAR_FORMATS)
+        # In Zoology's sequence every query is followed by its value: 2 codes a query instead of 1.
+        query_codes = 2 if out["format"] == "zoology" else 1
         queries = out["num_queries"]
         if queries is not None:
             _int(queries, "options.num_queries", 1)
@@ -144,9 +152,11 @@ def check_options(task: str, options: dict) -> dict:
             if queries is not None and queries > pairs:
                 raise TaskOptionError("options.num_queries", f"{queries} queries but mix[{i}] has only {pairs} "
                                       "pairs (each query asks a different key)")
-            if 2 * pairs + asked > length:
+            need = 2 * pairs + query_codes * asked
+            if need > length:
+                per_query = "2 * queries" if query_codes == 2 else "queries"
                 raise TaskOptionError(f"{where}.context_length", f"{length} codes cannot hold {pairs} pairs and "
-                                      f"{asked} queries (2 * num_pairs + queries = {2 * pairs + asked})")
+                                      f"{asked} queries (2 * num_pairs + {per_query} = {need})")
             if vocab <= length:
                 raise TaskOptionError("options.vocab_size", f"must exceed every context_length (as in Zoology), "
                                       f"got {vocab} for mix[{i}].context_length={length}")
@@ -246,15 +256,21 @@ def _mqar(rng: random.Random, entry: dict, split: str, opts: dict) -> dict:
     # it never uses a code of this sample's keys or values, so each key occurs once in the context.
     used = set(keys) | set(values)
     noise = []
-    while len(noise) < length - 2 * pairs - asked:
+    zoology = opts["format"] == "zoology"
+    while len(noise) < length - 2 * pairs - (2 if zoology else 1) * asked:
         c = rng.randrange(vocab)
         if c not in used:
             noise.append(c)
     context = [code(c, width) for k, v in zip(keys, values) for c in (k, v)] + [code(c, width) for c in noise]
     queries = [code(keys[j], width) for j in order]
+    answers = [code(values[j], width) for j in order]
+    if zoology:  # one sequence: each query key followed by its value, the positions the loss and eval score
+        problem = " ".join(context + [c for q, a in zip(queries, answers) for c in (q, a)])
+        return {"problem": problem, "answer": " ".join(answers), "canonical": canonical, "context_length": length,
+                "num_pairs": pairs, "num_queries": asked, "format": "zoology"}
     problem = (f"Key-value pairs:\n{' '.join(context)}\nQueries:\n{' '.join(queries)}\n"
                "Give the value of each queried key, in the order of the queries, separated by spaces.")
-    return {"problem": problem, "answer": " ".join(code(values[j], width) for j in order), "canonical": canonical,
+    return {"problem": problem, "answer": " ".join(answers), "canonical": canonical,
             "context_length": length, "num_pairs": pairs, "num_queries": asked}
 
 

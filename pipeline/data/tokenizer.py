@@ -55,8 +55,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, model_max_lengt
 
 
 def conversation_texts(dataset) -> Iterator[str]:
-    """The message contents of a conversational dataset (`prompt`/`completion` or `messages` columns)."""
+    """The message contents of a conversational dataset (`prompt`/`completion` or `messages` columns), and the
+    `text` of a plain one (Zoology-format MQAR's code sequences)."""
     for row in dataset:
+        if row.get("text"):
+            yield row["text"]
         for column in ("prompt", "completion", "messages"):
             for message in row.get(column) or []:
                 yield message["content"]

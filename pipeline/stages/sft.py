@@ -1,10 +1,11 @@
 """Stage `sft`: distillation with TRL's SFTTrainer (chat template, loss on completions only, packing or
-padding-free batches when configured). Resumes from the stage's last complete checkpoint."""
+padding-free batches when configured; Zoology-format MQAR: code sequences with the loss on the answer codes).
+Resumes from the stage's last complete checkpoint."""
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from pipeline.data.loaders import load_sft_dataset
+from pipeline.data.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
 from pipeline.token_weights import TokenWeighting
 from pipeline.training import (
     StageCallback,
@@ -32,6 +33,8 @@ def run(cfg, run_dir, model_path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg))
     dataset = load_sft_dataset(cfg.data.sft)
+    if is_code_sequence(cfg.data.sft):  # no chat template: TRL takes the tokens and completion mask as they are
+        dataset = tokenize_codes(dataset, tokenizer)
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     w = s.token_weights  # SILA's token-weighted loss; None: off
     weighting = None if w is None else TokenWeighting(reference=w.reference or cfg.convert.source,
