@@ -2,6 +2,7 @@
 every layer attention and against transformers' Qwen3 of the same shape, bf16, one GPU, one run.
 
     python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
+    python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
@@ -67,13 +68,51 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
     return dict(tokens_per_s=T / statistics.median(times), peak_gib=peak)
 
 
+def profile(builds, T: int, top: int = 25) -> list[str]:
+    """GPU time per kernel of one unpacked step (after a warm-up step), SSE-H and Qwen3: a markdown section."""
+    from torch.profiler import ProfilerActivity
+    lines = [f"## T = {T}, unpacked, no checkpointing", ""]
+    for name in ("SSE-H", "Qwen3"):
+        torch.manual_seed(0)
+        model = builds[name]().to("cuda", torch.bfloat16).train()
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+        kernels.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in kernels) / 1e3
+        lines += [f"### {name}: {total:.1f} ms of GPU kernels", "", "| kernel | calls | ms | share |",
+                  "| --- | ---: | ---: | ---: |"]
+        for e in kernels[:top]:
+            ms = e.device_time_total / 1e3
+            lines.append(f"| `{e.key[:90]}` | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+        lines.append("")
+        del model
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
     args = p.parse_args(argv)
     builds = models()
+    if args.profile:
+        now = datetime.now(timezone.utc)
+        lines = [f"# Training step profile, {torch.cuda.get_device_name()}, {now.isoformat(timespec='seconds')}, "
+                 f"torch {torch.__version__}, bf16", ""]
+        for T in args.lengths:
+            lines += profile(builds, T)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"train_step_profile_{now:%Y%m%d-%H%M}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     rows = []
     for T in args.lengths:
         for packed in (False, True):

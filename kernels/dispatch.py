@@ -6,7 +6,7 @@ import importlib.util
 import torch
 
 from kernels.norm_gate import norm_gate_torch
-from kernels.sse import sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
+from kernels.sse import log_decay_from_logits, sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
 
 
 def _lazy(module, name):
@@ -25,6 +25,8 @@ IMPLEMENTATIONS = {
     "triton_mask": _lazy("kernels.triton.chunk", "sse_triton_mask"),
     "triton_indexed": _lazy("kernels.triton.indexed_chunk", "sse_triton_indexed"),
 }
+# The paths that take decay logits and `decay_normalizer` themselves; the others get log a computed by the caller.
+TAKES_DECAY_LOGITS = {"triton_indexed"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
 NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
 
@@ -81,11 +83,14 @@ def pick_implementation(device: torch.device) -> str:
 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                   row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  impl="auto"):
+                  decay_normalizer=None, impl="auto"):
     """SSE over whole sequences (docs/model.md).
 
     q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
     With `cu_seqlens` (B = 1), each segment starts from its own initial state and returns its own final state.
+    With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer, as
+    in `sse_decode`: the indexed Triton path takes it inside its kernels and keeps only x (bf16 in training) for
+    its backward; the others get log a computed here.
     Returns (o [B, T, H, d_v], final_state [B or segments, H, N + shared, c, d_v] or None), shared partition last.
     """
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -94,10 +99,15 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
         impl = pick_implementation(q.device)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE implementation {impl!r}; known: {sorted(IMPLEMENTATIONS)} or 'auto'")
+    fused = {}
+    if decay_normalizer is not None and impl in TAKES_DECAY_LOGITS:
+        fused["decay_normalizer"] = decay_normalizer
+    elif decay_normalizer is not None:
+        log_decay = log_decay_from_logits(log_decay, decay_normalizer)
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                                  k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
-                                 cu_seqlens=cu_seqlens)
+                                 cu_seqlens=cu_seqlens, **fused)
 
 
 def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,

@@ -153,25 +153,29 @@ class SSELayer(nn.Module):
         self.g_proj = nn.Linear(D, H * dv, bias=config.sse_gate_bias)
         self.o_norm = SSERMSNorm(dv, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * dv, D, bias=False)
+        # The operators' settings beside `project`'s tensors; "log_decay" holds the decay logits, which the
+        # operators turn into log a = logsigmoid(x) / normaliser themselves (the training kernels keep only x).
+        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
+                        decay_normalizer=config.sse_decay_normalizer)
 
     def project(self, x, token_mask=None):
-        """Everything the SSE operator takes, from hidden states x [B, T, D]. Pad tokens (token_mask 0) get zero
-        v and zero log-decay, which leaves every state untouched."""
+        """Every tensor the SSE operator takes (with `self.ops`), from hidden states x [B, T, D]. Pad tokens
+        (token_mask 0) get zero v and decay logits +inf (log-decay 0), which leaves every state untouched."""
         B, T, _ = x.shape
 
         def heads(t):
             return t.view(B, T, self.num_heads, -1)
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        log_decay = heads(sse_math.log_decay(self.decay_up(self.decay_down(x)), self.config.sse_decay_normalizer))
-        inputs = dict(q=q, k_logits=k, v=v, log_decay=log_decay, router_logits=self.router(x))
+        decay_logits = heads(self.decay_up(self.decay_down(x)))
+        inputs = dict(q=q, k_logits=k, v=v, log_decay=decay_logits, router_logits=self.router(x))
         if self.config.sse_shared_partition:
             lora = hasattr(self, "q_shared_up")
             inputs["q_shared"], inputs["k_shared_logits"] = sse_math.shared_partition_qk(
                 q, k, heads(self.q_shared_up(self.q_shared_down(x))) if lora else None,
                 heads(self.k_shared_up(self.k_shared_down(x))) if lora else None)
         if token_mask is not None:
-            keep = token_mask[:, :, None, None].to(v.dtype)
-            inputs["v"], inputs["log_decay"] = v * keep, log_decay * keep
+            pad = ~token_mask[:, :, None, None].bool()
+            inputs["v"], inputs["log_decay"] = v.masked_fill(pad, 0.0), decay_logits.masked_fill(pad, float("inf"))
         return inputs
 
     def output(self, o, x):
@@ -183,14 +187,13 @@ class SSELayer(nn.Module):
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         inputs = self.project(x, token_mask)
         state = past_key_values.sse_state(self.layer_idx) if past_key_values is not None else None
-        common = dict(top_k=self.config.sse_top_k, row_topk=self.config.sse_row_topk)
         if state is not None and x.shape[1] == 1:
             step = {name: t[:, 0] for name, t in inputs.items()}
             slots = torch.arange(x.shape[0], device=x.device)
             # updates the cached state in place
-            o = kernels.sse_decode(state, slots, **step, **common, impl=self.config.sse_decode_impl)[:, None]
+            o = kernels.sse_decode(state, slots, **step, **self.ops, impl=self.config.sse_decode_impl)[:, None]
         else:
-            o, final = kernels.sse_attention(**inputs, **common, initial_state=state,
+            o, final = kernels.sse_attention(**inputs, **self.ops, initial_state=state,
                                              output_final_state=past_key_values is not None,
                                              cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
             if past_key_values is not None:

@@ -1,13 +1,10 @@
 """The SSE layer's elementwise math around the operator (docs/model.md, "The layer"), written once for the HF model
 (`modeling_sse.SSELayer`) and the vLLM model (`vllm_model.SSELinearAttention`), whose projections differ
-(`nn.Linear` against vLLM's parallel linear layers) but must feed the operator and the output the same values."""
+(`nn.Linear` against vLLM's parallel linear layers) but must feed the operator and the output the same values.
+The decay's log a = logsigmoid(x) / normaliser is the operators' own step (`kernels.sse.log_decay_from_logits`,
+fused in the Triton paths): both models pass x."""
 import torch
 import torch.nn.functional as F
-
-
-def log_decay(decay_logits: torch.Tensor, normalizer: float) -> torch.Tensor:
-    """log a = logsigmoid(x W_g1 W_g2 + b) / normalizer, in float32 (it is summed over many tokens)."""
-    return F.logsigmoid(decay_logits.float()) / normalizer
 
 
 def shared_partition_qk(q: torch.Tensor, k_logits: torch.Tensor, q_lora: torch.Tensor | None,

@@ -292,7 +292,8 @@ class SSELinearAttention(nn.Module):
         Hc = self.num_heads * c
         self.packed_sizes = [Hc, Hc, self.num_heads * dv, Hc, config.sse_num_partitions]
         self.packed_sizes += [Hc, Hc] if config.sse_shared_partition else []
-        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk)
+        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
+                        decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
         self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [H, N + shared, c, d_v]
@@ -341,13 +342,14 @@ class SSELinearAttention(nn.Module):
 
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
-        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), router_logits=parts[4])
+        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), log_decay=heads(parts[3]),
+                      router_logits=parts[4])
         if self.config.sse_shared_partition:
             inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
-        self._recur(inputs, heads(parts[3]), metadata, state, output)
+        self._recur(inputs, metadata, state, output)
 
-    def _recur(self, inputs: dict[str, torch.Tensor], decay_logits: torch.Tensor, metadata: SSEStateMetadata,
-               state: torch.Tensor, output: torch.Tensor) -> None:
+    def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
+               output: torch.Tensor) -> None:
         """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
         prefills start from float32 copies of their slots' states). Inputs are views into the packed buffer and
         decodes write straight into `output`: the decode kernel reads and writes rows at any stride and takes the
@@ -355,11 +357,9 @@ class SSELinearAttention(nn.Module):
         per layer."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
-        normalizer = self.config.sse_decay_normalizer
         if nd:
             step = {name: t[:nd] for name, t in inputs.items()}
-            kernels.sse_decode(state, slots[:nd], **step, log_decay=decay_logits[:nd], decay_normalizer=normalizer,
-                               **self.ops, out=output[:nd], impl=self.decode_impl)
+            kernels.sse_decode(state, slots[:nd], **step, **self.ops, out=output[:nd], impl=self.decode_impl)
         offsets, start = metadata.prefill_token_offsets, metadata.num_decode_tokens
         for first in range(0, npf, self.prefill_group):  # bounded state memory per group (PREFILL_STATES_BYTES)
             last = min(first + self.prefill_group, npf)
@@ -367,7 +367,6 @@ class SSELinearAttention(nn.Module):
             qsl = metadata.query_start_loc[nd + first:nd + last + 1]
             prefill_slots = slots[nd + first:nd + last].long()
             prefill = {name: t[tokens][None] for name, t in inputs.items()}
-            prefill["log_decay"] = sse_math.log_decay(decay_logits[tokens], normalizer)[None]
             o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)

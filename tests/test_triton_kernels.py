@@ -190,6 +190,41 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
     assert max(errors.values()) < CHUNK_TOL[device][F32], errors
 
 
+@pytest.mark.parametrize("row_topk", [None, 4], ids=["dense", "row-sparse"])
+def test_indexed_chunk_takes_decay_logits(device, row_topk):
+    """With `decay_normalizer` the indexed path takes decay logits x and applies log a = logsigmoid(x) / 16 in its
+    kernels (forward, and the backward through it): against the float64 reference given log a, on a varlen batch
+    whose x spans strong decays (-30), tiny ones (+30) and pad tokens (+inf: log a = 0 and no gradient)."""
+    from kernels import sse_attention
+    from kernels.sse import log_decay_from_logits, sse_reference
+    H, c, dv, lengths = (SHAPES[device][n] for n in ("H", "c", "dv", "lengths"))
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T, N = int(cu[-1]), 4
+    failures = []
+    for dtype in SHAPES[device]["dtypes"]:
+        ins = random_inputs(1, T, H, c, dv, N, True, len(lengths), dtype, device)
+        x = torch.randn(1, T, H, c, device=device) * 4
+        x[:, :, :, 0] = torch.linspace(-30, 30, T, device=device)[:, None]
+        x[:, T // 3] = float("inf")
+        ins["log_decay"] = x.to(dtype).requires_grad_()
+        kw = dict(top_k=1, cu_seqlens=cu, row_topk=row_topk)
+        cot = cotangents_for(T, H, N, c, dv, len(lengths), device)
+        got = forward_backward(functools.partial(sse_attention, impl="triton_indexed", decay_normalizer=16.0), ins,
+                               cot, **kw)
+        leaves = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
+
+        def reference(log_decay, **rest):
+            return sse_reference(log_decay=log_decay_from_logits(log_decay, 16.0), **rest)
+        ref = forward_backward(reference, leaves, cot, **kw)
+        errors = {n: rel_err(got[n], ref[n]) for n in ref}
+        line = f"{str(dtype)[6:]}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items())
+        print(line)
+        if max(errors.values()) >= CHUNK_TOL[device][dtype]:
+            failures.append(line)
+        assert torch.equal(got["d_log_decay"][:, T // 3], torch.zeros_like(got["d_log_decay"][:, T // 3]))
+    assert not failures, "\n".join(failures)
+
+
 def exact_in_bf16_inputs(T, H, c, dv, N, segments, device):
     """float32 inputs [1, T, ...] whose activations are exact in bf16, so one float64 reference serves every dtype.
     Key logits are distinct within each head (a permutation of a grid), so the row-sparse top-r has no ties."""

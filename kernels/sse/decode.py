@@ -4,9 +4,8 @@ Torch twin of the fused Triton decode kernel (same signature); it serves the CPU
 Only the K selected partitions and the shared one are read and written.
 """
 import torch
-import torch.nn.functional as F
 
-from kernels.sse.routing import route, softmax_keys
+from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
 
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
@@ -18,7 +17,8 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     as the Triton kernel does. With `decay_normalizer`, `log_decay` holds the decay logits x and the step uses
     log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in vLLM)."""
     if decay_normalizer is not None:
-        log_decay = F.logsigmoid(log_decay.to(torch.promote_types(state.dtype, torch.float32))) / decay_normalizer
+        log_decay = log_decay_from_logits(log_decay.to(torch.promote_types(state.dtype, log_decay.dtype)),
+                                          decay_normalizer)
     if out is not None:
         return out.copy_(sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                           q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,

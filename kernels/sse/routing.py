@@ -1,9 +1,17 @@
-"""The pieces of SSE that every implementation shares: router weights, top-K selection and softmax keys.
+"""The pieces of SSE that every implementation shares: the log-decay, router weights, top-K selection and softmax
+keys.
 
 Kept in one place so the reference, the chunked paths, the decode path and the kernels agree on tie-breaking
 (`torch.topk`) and on the row-sparse rule.
 """
 import torch
+import torch.nn.functional as F
+
+
+def log_decay_from_logits(decay_logits: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """log a = logsigmoid(x) / normalizer, in float32 at least (it is summed over many tokens). The model keeps
+    the decay logits x and the operators take them with `decay_normalizer` (the Triton ones fuse this step)."""
+    return F.logsigmoid(decay_logits.to(torch.promote_types(decay_logits.dtype, torch.float32))) / normalizer
 
 
 def route(router_logits: torch.Tensor, top_k: int):

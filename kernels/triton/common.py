@@ -45,3 +45,11 @@ def softmax_keys(z, valid, ROW_TOPK: tl.constexpr, BLOCK_C: tl.constexpr):
         z = tl.where(keep, z, float("-inf"))
     p = tl.exp(z - tl.max(z, 1, keep_dims=True))
     return p / tl.sum(p, 1, keep_dims=True), keep
+
+
+@triton.jit
+def logsigmoid(x):
+    """log sigmoid(x) = min(x, 0) - log(1 + e), e = exp(-|x|); the log's series where e is small keeps the
+    relative accuracy of tiny log-decays (x >> 0), which log(1 + e) in float32 rounds away. x = +inf gives 0."""
+    e = tl.exp(-tl.abs(x))
+    return tl.minimum(x, 0.0) - tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e / 3.0)), tl.log(1.0 + e))

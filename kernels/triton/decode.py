@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import router_softmax, softmax_keys, top1
+from kernels.triton.common import logsigmoid, router_softmax, softmax_keys, top1
 
 
 @triton.jit
@@ -26,14 +26,6 @@ def _update(state_ptr, tile, mask, decay, key, v, q):
     S = decay * S + key * v
     tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
     return tl.sum(q * S, 0)[None, :]
-
-
-@triton.jit
-def _logsigmoid(x):
-    """log sigmoid(x) = min(x, 0) - log(1 + e), e = exp(-|x|); the log's series where e is small keeps the
-    relative accuracy of tiny log-decays (x >> 0), which log(1 + e) in float32 rounds away."""
-    e = tl.exp(-tl.abs(x))
-    return tl.minimum(x, 0.0) - tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e / 3.0)), tl.log(1.0 + e))
 
 
 @triton.jit
@@ -56,7 +48,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
                               ROW_TOPK, BLOCK_C)
     g = tl.load(g_ptr + b * row_g + hc, mask=c < C, other=0.0).to(tl.float32)
     if DECAY_LOGITS:
-        g = _logsigmoid(g) / decay_normalizer
+        g = logsigmoid(g) / decay_normalizer
     q = tl.load(q_ptr + b * row_q + hc, mask=c < C, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
     logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)

@@ -58,10 +58,12 @@ def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_p
 
 
 @triton.jit
-def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, part_ptr, pos_ptr, dq_rows, dk_rows, dv_rows, dg_rows,
-                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, de_ptr, dqs_ptr, dks_ptr, H, C, V, N, J: tl.constexpr,
-                       SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos_ptr, dq_rows, dk_rows, dv_rows,
+                       dg_rows, dq_ptr, dk_ptr, dv_ptr, dg_ptr, de_ptr, dqs_ptr, dks_ptr, decay_normalizer, H, C, V, N,
+                       J: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The row gradients summed back to each token's inputs. With DECAY_LOGITS the log-decay came from decay logits
+    x (log a = logsigmoid(x) / decay_normalizer, x at x_ptr), and dg is taken through that step."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -108,6 +110,8 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, part_ptr, pos_ptr, d
     tl.store(de_ptr + t * N + n, (w * (dw - tl.sum(w * dw, 1, keep_dims=True))).to(de_ptr.dtype.element_ty),
              mask=n < N)
     tl.store(dq_ptr + hc, dq.to(dq_ptr.dtype.element_ty), mask=in_c)
+    if DECAY_LOGITS:
+        dg *= tl.sigmoid(-tl.load(x_ptr + hc, mask=in_c, other=0.0).to(tl.float32)) / decay_normalizer
     tl.store(dg_ptr + hc, dg.to(dg_ptr.dtype.element_ty), mask=in_c)
     tl.store(dv_ptr + hv, dv.to(dv_ptr.dtype.element_ty), mask=in_v)
     if SHARED:
@@ -184,9 +188,9 @@ class _Expand(torch.autograd.Function):
         if L:
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
             _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
-                                     k_shared_logits if shared else k_logits, part, pos, *grads, dq, dk, dv, dg,
-                                     de, dqs if shared else dq, dks if shared else dk, H, C, V, N, J, shared,
-                                     ctx.row_topk or 0, **_blocks(H, C, V, N), num_warps=_warps(H, C))
+                                     k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg,
+                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, J, shared,
+                                     ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import router_softmax, softmax_keys
+from kernels.triton.common import logsigmoid, router_softmax, softmax_keys
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -98,10 +98,11 @@ def _scores(q, k, b, dtype, BT: tl.constexpr):
 
 
 @triton.jit
-def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_kept_ptr, H, C, ROW_TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """Per token, all heads: keys = softmax_keys(k_logits), and (row-sparse) the log-decay masked to the kept
-    rows. Computed once per call instead of in every chunk kernel."""
+def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_out_ptr, decay_normalizer, H, C, ROW_TOPK: tl.constexpr,
+                 DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per token, all heads: keys = softmax_keys(k_logits), and where the chunk kernels cannot read g as given,
+    the float32 log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer) and / or masked to the
+    kept rows (row-sparse). Computed once per call instead of in every chunk kernel."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -109,8 +110,11 @@ def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_kept_ptr, H, C, ROW_TOPK: tl.constexp
     hc = t * H * C + h * C + c
     keys, keep = softmax_keys(tl.load(k_ptr + hc, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
     tl.store(keys_ptr + hc, keys.to(keys_ptr.dtype.element_ty), mask=m)
-    if ROW_TOPK > 0:
-        tl.store(g_kept_ptr + hc, tl.where(keep, tl.load(g_ptr + hc, mask=m, other=0.0), 0.0), mask=m)
+    if DECAY_LOGITS or ROW_TOPK > 0:
+        g = tl.load(g_ptr + hc, mask=m, other=0.0).to(tl.float32)
+        if DECAY_LOGITS:
+            g = logsigmoid(g) / decay_normalizer
+        tl.store(g_out_ptr + hc, tl.where(keep, g, 0.0), mask=m)
 
 
 @triton.jit
@@ -292,23 +296,31 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
     tl.store(dg_ptr + hc, dg, mask=m)
 
 
-def _keys(k_logits, log_decay, row_topk, dtype):
-    """(keys, log-decay of the rows they write) [L, H, C] for one kind of row (routed or shared)."""
+def _keys(k_logits, log_decay, row_topk, dtype, decay_normalizer):
+    """(keys, log-decay of the rows they write) [L, H, C] for one kind of row (routed or shared); log_decay holds
+    decay logits when `decay_normalizer` is given."""
     L, H, C = k_logits.shape
+    fresh = decay_normalizer is not None or row_topk
+    g = torch.empty(L, H, C, dtype=torch.float32, device=k_logits.device) if fresh else log_decay
     keys = torch.empty(L, H, C, dtype=dtype, device=k_logits.device)
-    g = torch.empty_like(log_decay) if row_topk else log_decay
     if L:
-        _keys_kernel[(L,)](k_logits, log_decay, keys, g, H, C, row_topk or 0, triton.next_power_of_2(H),
-                           triton.next_power_of_2(C), num_warps=_warps(H, C))
+        _keys_kernel[(L,)](k_logits, log_decay, keys, g, decay_normalizer or 1.0, H, C, row_topk or 0,
+                           decay_normalizer is not None, triton.next_power_of_2(H), triton.next_power_of_2(C),
+                           num_warps=_warps(H, C))
     return keys, g
 
 
-def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk):
+def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk, decay_normalizer):
     """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
     shared keys, shared g); without a shared partition the shared slots repeat the routed ones (never read)."""
-    keys, g = _keys(k_logits, log_decay, row_topk, q.dtype)
-    keys_s, g_s = (keys, g) if q_shared is None else _keys(k_shared_logits, log_decay, row_topk, q.dtype)
-    return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
+    keys, g = _keys(k_logits, log_decay, row_topk, q.dtype, decay_normalizer)
+    if q_shared is None:
+        return q, keys, g, router_logits, q, keys, g
+    if row_topk:  # the shared keys keep rows of their own, so their decay is masked on its own
+        keys_s, g_s = _keys(k_shared_logits, log_decay, row_topk, q.dtype, decay_normalizer)
+    else:  # the same decay as the routed rows
+        keys_s, g_s = _keys(k_shared_logits, g, None, q.dtype, None)
+    return q, keys, g, router_logits, q_shared, keys_s, g_s
 
 
 def _launch(kernel, C, V, N, chunk_size):
@@ -338,11 +350,12 @@ LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size):
+                scale, row_topk, chunk_size, decay_normalizer):
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
         L, H, C = q.shape
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
-        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
+        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
+                               decay_normalizer)
         h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
@@ -357,20 +370,21 @@ class _IndexedChunk(torch.autograd.Function):
                                       triton.next_power_of_2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *tables[:6])
-        ctx.rest = (S, P, scale, row_topk, chunk_size)
+        ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final,
          *index) = ctx.saved_tensors
-        S, P, scale, row_topk, chunk_size = ctx.rest
+        S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
         L, H, C = q.shape
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.contiguous()
-        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk)
+        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
+                               decay_normalizer)
         h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)  # recomputed, not saved
         dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
@@ -386,9 +400,9 @@ class _IndexedChunk(torch.autograd.Function):
             P, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
-                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk)
+                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-        return (*grads, dh0, None, None, None, None)
+        return (*grads, dh0, None, None, None, None, None)
 
 
 def _chained(sources, x, init, tables, scale, chunk_size, query):
@@ -419,8 +433,9 @@ def _chained(sources, x, init, tables, scale, chunk_size, query):
 
 
 def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, row_grads,
-                 row_topk):
-    """The row gradients summed back to the token inputs, through the softmaxes (expand.py's backward)."""
+                 row_topk, decay_normalizer):
+    """The row gradients summed back to the token inputs, through the softmaxes (and the decay logits' logsigmoid)
+    (expand.py's backward)."""
     L, H, C = q.shape
     V, N, J = v.shape[-1], router_logits.shape[-1], part.shape[1]
     shared = q_shared is not None
@@ -429,8 +444,9 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
     if L:
         _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
-                                 k_shared_logits if shared else k_logits, part, pos, *row_grads, dq, dk, dv, dg, de,
-                                 dqs if shared else dq, dks if shared else dk, H, C, V, N, J, shared, row_topk or 0,
+                                 k_shared_logits if shared else k_logits, log_decay, part, pos, *row_grads, dq, dk,
+                                 dv, dg, de, dqs if shared else dq, dks if shared else dk, decay_normalizer or 1.0, H,
+                                 C, V, N, J, shared, row_topk or 0, decay_normalizer is not None,
                                  **_blocks(H, C, V, N), num_warps=_warps(H, C))
     return dq, dk, dv, dg, de, dqs, dks
 
@@ -457,7 +473,9 @@ def index_tables(router_logits, bounds, top_k, shared, chunk_size):
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                        row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       chunk_size=CHUNK):
+                       decay_normalizer=None, chunk_size=CHUNK):
+    """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
+    logits (see there)."""
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     L = B * T
@@ -470,5 +488,5 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
 
     o, final = _IndexedChunk.apply(flat(q), flat(k_logits), flat(v), flat(log_decay),
                                    router_logits.reshape(L, N).contiguous(), flat(q_shared), flat(k_shared_logits),
-                                   initial_state, tables, scale, row_topk, chunk_size)
+                                   initial_state, tables, scale, row_topk, chunk_size, decay_normalizer)
     return o.view(B, T, H, dv), (final if output_final_state else None)
