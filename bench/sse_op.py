@@ -30,9 +30,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.triton import chunk, sse_decode_triton
+from kernels import sse_attention
+from kernels.sse import log_decay_from_logits
+from kernels.triton import sse_decode_triton
 from kernels.triton.expand import expand
-from kernels.triton.indexed_chunk import sse_triton_indexed
 from kernels.triton.routing import route_varlen
 
 H, C, DV = 16, 128, 128
@@ -57,18 +58,21 @@ def bf16_leaf(*shape):
 
 
 def sse_inputs(T, N):
+    """What the model's SSE layer passes: bf16 activations, decay logits (with `decay_normalizer`) and float32
+    router logits."""
     return dict(q=bf16_leaf(1, T, H, C), k_logits=bf16_leaf(1, T, H, C), v=bf16_leaf(1, T, H, DV),
-                log_decay=(F.logsigmoid(torch.randn(1, T, H, C, device="cuda")) / 16).to(BF16).requires_grad_(),
-                router_logits=torch.randn(1, T, N, device="cuda").requires_grad_(), q_shared=bf16_leaf(1, T, H, C),
-                k_shared_logits=bf16_leaf(1, T, H, C))
+                log_decay=bf16_leaf(1, T, H, C), router_logits=torch.randn(1, T, N, device="cuda").requires_grad_(),
+                q_shared=bf16_leaf(1, T, H, C), k_shared_logits=bf16_leaf(1, T, H, C))
 
 
-def time_sse(fn, T, N, K=1, backward=True):
+def time_sse(impl, T, N, K=1, backward=True):
+    """One SSE path as the model calls it (the paths that do not take decay logits get log a computed first,
+    within the timing)."""
     ins = sse_inputs(T, N)
     do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
 
     def step():
-        o, _ = fn(**ins, top_k=K)
+        o, _ = sse_attention(**ins, top_k=K, decay_normalizer=16.0, impl=impl)
         if backward:
             o.backward(do)
     ms = median_ms(step, grad_to_none=list(ins.values()))
@@ -110,12 +114,11 @@ def training_vs_T(lengths, fla_layouts=True):
     several minutes per head count."""
     rows = []
     for T in lengths:
-        row = {"T": T, "sse_indexed_ms": time_sse(sse_triton_indexed, T, 4), "gla_ms": time_gla(T),
-               "sdpa_flash_ms": time_sdpa(T), "sse_indexed_fwd_ms": time_sse(sse_triton_indexed, T, 4, backward=False),
+        row = {"T": T, "sse_indexed_ms": time_sse("triton_indexed", T, 4), "gla_ms": time_gla(T),
+               "sdpa_flash_ms": time_sdpa(T), "sse_indexed_fwd_ms": time_sse("triton_indexed", T, 4, backward=False),
                "gla_fwd_ms": time_gla(T, backward=False)}
         if fla_layouts:
-            row |= {"sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, 4),
-                    "sse_mask_ms": time_sse(chunk.sse_triton_mask, T, 4)}
+            row |= {"sse_varlen_ms": time_sse("triton_varlen", T, 4), "sse_mask_ms": time_sse("triton_mask", T, 4)}
         row["indexed_over_gla"] = row["sse_indexed_ms"] / row["gla_ms"]
         row["sdpa_over_indexed"] = row["sdpa_flash_ms"] / row["sse_indexed_ms"]
         print(row, flush=True)
@@ -126,8 +129,8 @@ def training_vs_T(lengths, fla_layouts=True):
 def scaling_with_N(T, partitions):
     rows = []
     for N in partitions:
-        row = {"N": N, "T": T, "sse_indexed_ms": time_sse(sse_triton_indexed, T, N),
-               "sse_varlen_ms": time_sse(chunk.sse_triton_varlen, T, N)}
+        row = {"N": N, "T": T, "sse_indexed_ms": time_sse("triton_indexed", T, N),
+               "sse_varlen_ms": time_sse("triton_varlen", T, N)}
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -142,7 +145,7 @@ def varlen_breakdown(T, N=4, K=1):
     idx, pos, cu = route_varlen(e, bounds, K, True)
     part = torch.cat([idx, idx.new_full((T, 1), N)], 1)
     flat = {n: x.reshape(T, H, -1) for n, x in ins.items() if n != "router_logits"}
-    args = (flat["q"], flat["k_logits"], flat["v"], flat["log_decay"], e, flat["q_shared"],
+    args = (flat["q"], flat["k_logits"], flat["v"], log_decay_from_logits(flat["log_decay"], 16.0), e, flat["q_shared"],
             flat["k_shared_logits"], part, pos, pos.numel(), None)
     with torch.no_grad():
         rows = [x.detach().view(1, pos.numel(), H, -1).requires_grad_() for x in expand(*args)]
@@ -154,7 +157,7 @@ def varlen_breakdown(T, N=4, K=1):
     out = {"T": T, "route_ms": median_ms(lambda: route_varlen(e, bounds, K, True)),
            "gather_fwd_ms": median_ms(lambda: expand(*args)),
            "gla_core_rows_fwd_bwd_ms": median_ms(core, grad_to_none=rows)}
-    out["sse_varlen_fwd_bwd_ms"] = time_sse(chunk.sse_triton_varlen, T, N, K)
+    out["sse_varlen_fwd_bwd_ms"] = time_sse("triton_varlen", T, N, K)
     out["ours_ms"] = out["sse_varlen_fwd_bwd_ms"] - out["gla_core_rows_fwd_bwd_ms"]
     print(out, flush=True)
     del ins
@@ -210,7 +213,8 @@ def markdown(result):
         lines += ["", "## Training op, forward + backward, N = 4, K = 1 + shared", "",
                   "SSE indexed = our chunk kernels (kernels/triton/indexed_chunk.py); varlen and mask = our routing "
                   "and gather around fla's `chunk_gla`; GLA = fla `chunk_gla` on T tokens; SDPA on contiguous "
-                  "[B, H, T, D]. fwd = forward alone.", "",
+                  "[B, H, T, D]. fwd = forward alone. SSE takes the model's inputs (bf16 decay logits, the "
+                  "logsigmoid inside the timing); GLA gets float32 log-decays made outside it.", "",
                   "| T | SSE indexed ms | SSE varlen ms | SSE mask ms | GLA (fla) ms | SDPA flash ms | indexed / GLA | "
                   "varlen / GLA | SDPA / indexed | indexed fwd ms | GLA fwd ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -343,12 +343,15 @@ class SSEModel(SSEPreTrainedModel):
         token_mask = None
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             token_mask = attention_mask
+        # Only a caller's position ids can describe packed rows; looking for restarts in ours would stop the host
+        # (a device-to-host read) on every forward for nothing.
+        packable = position_ids is not None and past_len == 0
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past_len, past_len + T, device=x.device)[None].expand(B, -1)
-        cu_seqlens = packed_segments(position_ids) if past_len == 0 else None
+        cu_seqlens = packed_segments(position_ids) if packable else None
 
         # position_ids reach the attention function too: flash attention reads packed rows from them.
         layer_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids, cu_seqlens=cu_seqlens,
@@ -360,7 +363,7 @@ class SSEModel(SSEPreTrainedModel):
             # layers make too (token_mask, cu_seqlens).
             layer_kwargs["attention_mask"] = create_causal_mask(
                 config=self.config, inputs_embeds=x, attention_mask=token_mask,
-                past_key_values=past_key_values if past_len else None, position_ids=position_ids)
+                past_key_values=past_key_values if past_len else None, position_ids=position_ids if packable else None)
         router_logits = []
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

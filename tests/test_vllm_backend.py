@@ -98,12 +98,12 @@ def _serve(read_fd: int, write_fd: int) -> None:
             layer, steps[name] = layers[0], []
             recur = layer._recur
 
-            def counting(inputs, decay_logits, md, state, output):
+            def counting(inputs, md, state, output):
                 n, p = md.num_decodes, md.num_prefills
                 qsl = md.query_start_loc[n:n + p + 1]
                 context = md.seq_lens[n:n + p] - (qsl[1:] - qsl[:-1])
                 steps[name].append((n, p, int(context.max()) if p else 0, layer.prefill_group))
-                return recur(inputs, decay_logits, md, state, output)
+                return recur(inputs, md, state, output)
             layer._recur = counting
         return [state_of(name, layer).is_contiguous() for layer in layers]
 
