@@ -14,7 +14,8 @@ The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIM
 sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
 
 Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`'s BLOCK_V columns):
-- forward  `_chunk_sums` [NC, H, NV]: each chunk's state update, all chunks at once, float32; `_scan`
+- forward  `_chunk_sums` [NC, H, NV]: each chunk's state update, all chunks at once, float32 (in the backward
+           rounded to the activations' dtype where the final state / dh0 is not used); `_scan`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
            activations' dtype (and the final state in float32); `_output` [NC, H, NV]: o rows; `collect`
            (expand.py) sums a token's rows.
@@ -136,7 +137,8 @@ def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, 
         side = q * tl.exp(b)
     else:
         side = k * tl.exp(b_last[None, :] - b)
-    tl.store(out_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, tl.dot(tl.trans(side.to(x.dtype)), x),
+    update = tl.dot(tl.trans(side.to(x.dtype)), x)
+    tl.store(out_ptr + (h * NC + cid) * C * V + c[:, None] * V + d, update.to(out_ptr.dtype.element_ty),
              mask=(c[:, None] < C) & (d < V))
     if vb == 0:
         tl.store(decay_ptr + (h * NC + cid) * C + c, b_last, mask=c < C)
@@ -356,7 +358,7 @@ class _IndexedChunk(torch.autograd.Function):
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
-        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)
+        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=True)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         launch = _launch("output", C, V, N, chunk_size)
@@ -385,8 +387,10 @@ class _IndexedChunk(torch.autograd.Function):
         do = do.contiguous()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
-        h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False)  # recomputed, not saved
-        dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True)
+        # h is recomputed, not saved; its final state is not needed again, nor d h0 without an initial state.
+        h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
+        dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True,
+                           exact_last=initial_state is not None)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
         dg_rows = torch.empty(R, H, C, dtype=torch.float32, device=q.device)
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
@@ -405,23 +409,25 @@ class _IndexedChunk(torch.autograd.Function):
         return (*grads, dh0, None, None, None, None, None)
 
 
-def _chained(sources, x, init, tables, scale, chunk_size, query):
+def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
     """Going forward (x = v, init = h0): the state before every chunk [H, NC, C, V] and the final states
     [S, H, P, C, V]. Going backward (query, x = do, init = d final): the gradient of the state after every chunk
     and d h0. The chain runs in float32; the per-chunk states are stored in x's dtype, as fla stores its chunk
     states: the kernels that read them cast them to it for their dots anyway, and bf16 halves their largest read.
-    The final state / d h0 stay float32."""
+    The final state / d h0 are float32; with `exact_last` (they are used) the chunks' updates are kept in float32
+    too, otherwise they are rounded to x's dtype like the states made from them, which halves the traffic between
+    `_chunk_sums_kernel` and `_scan_kernel` (their largest)."""
     q, keys, g, e, qs, keys_s, gs = sources
     row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
     L, H, C = q.shape
     V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
-    sums = torch.empty(H, NC, C, V, dtype=torch.float32, device=q.device)
+    sums = torch.empty(H, NC, C, V, dtype=torch.float32 if exact_last else x.dtype, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
     launch = _launch("chunk_sums", C, V, N, chunk_size)
     _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
                                                           qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, scale,
                                                           query, **launch)
-    states = sums if x.dtype == torch.float32 else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
+    states = sums if sums.dtype == x.dtype else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
     launch = _launch("scan", C, V, N, chunk_size)
     block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
