@@ -25,7 +25,7 @@ IMPLEMENTATIONS = {
     "triton_mask": _lazy("kernels.triton.chunk", "sse_triton_mask"),
     "triton_indexed": _lazy("kernels.triton.indexed_chunk", "sse_triton_indexed"),
 }
-# The paths that take decay logits and `decay_normalizer` themselves; the others get log a computed by the caller.
+# The paths that take decay logits and `decay_normalizer` themselves; sse_attention computes log a for the others.
 TAKES_DECAY_LOGITS = {"triton_indexed"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
 NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
