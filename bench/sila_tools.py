@@ -38,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.data.prompts import build_prompt  # noqa: E402
-from pipeline.data.retrieval import generate_task  # noqa: E402
-from pipeline.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, IM_START, PAD, SPECIAL_TOKENS  # noqa: E402
+from tasks.prompts import build_prompt  # noqa: E402
+from tasks.retrieval import generate_task  # noqa: E402
+from tasks.tokenizer import BOS, CHAT_TEMPLATE, EOS, IM_START, PAD, SPECIAL_TOKENS  # noqa: E402
 
 CONFIG = ROOT / "configs" / "sila_mqar.yaml"
 SOURCE = ROOT / "runs" / "sila-source" / "model"
@@ -60,7 +60,7 @@ def conversation(row: dict) -> list[dict]:
 
 
 def build_tokenizer(rows: list[dict]):
-    """A byte-level BPE with the pipeline's chat template and special tokens (pipeline/data/tokenizer.py) that drops
+    """A byte-level BPE with the pipeline's chat template and special tokens (tasks/tokenizer.py) that drops
     spaces: `ag av` is `ag`, `av`, and a code is the same token in the pairs, the query and the answer. Decoded text
     has no spaces (`Theansweris\\boxed{av}.`), which the exact grading of `\\boxed{}` does not see: the answer
     is one code."""

@@ -20,12 +20,12 @@ import zlib
 from pathlib import Path
 
 from eval.metrics import compute_metrics
-from pipeline.data import prompts
-from pipeline.data.loaders import answer_positions, code_token_ids, load_benchmark
-from pipeline.data.retrieval import TASK_COLUMNS
 from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.retrieval import grade_answer
 from rewards.text import last_boxed
+from tasks import prompts
+from tasks.loaders import answer_positions, code_token_ids, load_benchmark
+from tasks.retrieval import TASK_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def evaluate(llm, datasets: list, out_dir: str | Path, *, n: int = 32, temperatu
     `llm`: a `vllm.LLM` (e.g. the engine GRPO generates with), or a function returning one, called only
     when some sample is missing (a finished evaluation then reruns without starting an engine).
     `model_name`: the model's directory; teacher-forced datasets load the model from it with transformers.
-    `datasets`: benchmark names, paths or DataSources (pipeline.data.loaders.benchmark_source).
+    `datasets`: benchmark names, paths or DataSources (tasks.loaders.benchmark_source).
     `seed` None: unseeded sampling.
     `batch_problems`: problems per `llm.generate` call; samples are saved after each call.
     `progress(dataset, problems done, problems)`, if given, is called when a dataset starts and after each call.

@@ -6,8 +6,8 @@ import math
 import torch
 
 from eval.runner import samples_path
-from pipeline.data import prompts
-from pipeline.data.loaders import code_token_ids, load_benchmark
+from tasks import prompts
+from tasks.loaders import code_token_ids, load_benchmark
 
 
 def state_report(model_dir: str, datasets: list, out_dir, problems: int) -> dict[str, list[list[float]]] | None:

@@ -24,7 +24,8 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import yaml
 
-from pipeline.data import retrieval
+from tasks import retrieval
+from tasks.sources import BENCHMARKS, DataSource, GeneratorSettings, describe
 
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
 STAGES = typing.get_args(Stage)  # in the order they run
@@ -78,32 +79,6 @@ class ConvertSettings:
     align_steps: int = 0
     align_lr: float = 1e-3
     align_tokens: int = 8192  # calibration tokens the source samples for it
-
-
-@dataclass(frozen=True, kw_only=True)
-class GeneratorSettings:
-    num_examples: int = 2000
-    levels: list[int] = field(default_factory=lambda: [1, 2])  # difficulty levels, mixed uniformly
-    seed: int = 0
-    in_head_probability: float = 0.0  # chance the teacher writes a multi-digit sum in one line, no columns
-    task: str = "arithmetic"  # or a recall task of pipeline.data.retrieval: mqar, niah_word, s_niah
-    options: dict[str, Any] = field(default_factory=dict)  # the recall task's options (docs/retrieval.md)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataSource:
-    source: str = "generator"  # "generator", a Hugging Face dataset id, or a local .jsonl/.parquet path
-    name: str | None = None  # label in metrics and reports; None: derived from source
-    split: str = "train"
-    subset: str | None = None  # Hugging Face config name
-    limit: int | None = None  # first N rows
-    generator: GeneratorSettings = field(default_factory=GeneratorSettings)
-    # column mapping
-    prompt_field: str = "problem"
-    answer_field: str = "answer"
-    completion_field: str = "solution"  # SFT target when messages_field is unset
-    messages_field: str | None = None  # SFT: a chat column whose last turn is the assistant's answer
-    id_field: str = "id"  # rows without it get "<name>-<row>"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,17 +256,7 @@ class Config:
 
 
 # Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
-# (pipeline.data.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
-BENCHMARKS = {
-    "math500": DataSource(source="HuggingFaceH4/MATH-500", name="math500", split="test", id_field="unique_id"),
-    "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
-    "aime25": DataSource(source="math-ai/aime25", name="aime25", split="test"),
-    "amc23": DataSource(source="math-ai/amc23", name="amc23", split="test", prompt_field="question"),
-    # Recall tasks (docs/retrieval.md): mqar_test, niah_word_4k, niah_word_noinst_4k, s_niah_uuid_8k, ...
-    **{name: DataSource(source="generator", name=name, split="test",
-                        generator=GeneratorSettings(task=task, num_examples=rows, options=options))
-       for name, (task, rows, options) in retrieval.BENCHMARKS.items()},
-}
+# (tasks.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -638,7 +603,7 @@ def _check_sila(cfg: Config, require) -> None:
 
 
 def _check_task(g: GeneratorSettings, key: str, src_kind: str) -> None:
-    """The generator's task and its options (pipeline.data.retrieval checks a recall task's)."""
+    """The generator's task and its options (tasks.retrieval checks a recall task's)."""
     if g.task == "arithmetic":
         if g.options:
             raise _Invalid(f"{key}.options", "the arithmetic task takes levels and in_head_probability, not options")
@@ -682,12 +647,6 @@ def _did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
     if close:
         return f" (did you mean {close[0]!r}?)"
     return f" (valid: {', '.join(choices)})" if show_all else ""
-
-
-def describe(value) -> str:
-    """Type and (shortened) repr of a value, for error messages."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _type_name(tp) -> str:

@@ -1,4 +1,4 @@
-"""retrieval_accuracy: exact grading of the recall tasks (pipeline/data/retrieval.py, docs/retrieval.md).
+"""retrieval_accuracy: exact grading of the recall tasks (tasks/retrieval.py, docs/retrieval.md).
 
 The completion's last `\\boxed{}` must equal the gold answer as a string, after whitespace runs are made one
 space and a final period is dropped: no CAS, no numeric equivalence (`0042` is not `42`, a UUID is text). For

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import shared_data_file
 from pipeline.config import DataSource, GeneratorSettings
-from pipeline.data.generator import LEVELS, generate, split_of
-from pipeline.data.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset
-from pipeline.data.prompts import build_prompt
-from pipeline.data.tokenizer import CHAT_TEMPLATE, conversation_texts, train_tokenizer
+from tasks.generator import LEVELS, generate, split_of
+from tasks.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset
+from tasks.prompts import build_prompt
+from tasks.tokenizer import CHAT_TEMPLATE, conversation_texts, train_tokenizer
 
 ALL_LEVELS = sorted(LEVELS)
 
@@ -272,7 +272,7 @@ def test_filter_long_prompts(tokenizer):
 def test_column_steps_spell_out_the_result():
     """The teacher's columns are the written algorithm: each column's last digit, read from the highest place
     down (plus a final carry), is the result."""
-    from pipeline.data.generator import add_steps, sub_steps
+    from tasks.generator import add_steps, sub_steps
 
     def from_columns(lines):
         values = [int(line.rsplit("= ", 1)[1]) for line in lines[:-1] if "=" in line]  # the first line: operands

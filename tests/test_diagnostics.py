@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from pipeline.data.tokenizer import train_tokenizer
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 from sse_model.diagnostics import singular_value_entropy, state_entropy
+from tasks.tokenizer import train_tokenizer
 from tiny_checkpoints import save_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=32,

@@ -12,8 +12,8 @@ from eval.metrics import bootstrap_ci, compute_metrics, length_edges, majority_s
 from eval.runner import evaluate, problem_seed
 from pipeline import config
 from pipeline.config import DataSource
-from pipeline.data.loaders import DataError, benchmark_source, load_benchmark
-from pipeline.data.tokenizer import train_tokenizer
+from tasks.loaders import DataError, benchmark_source, load_benchmark
+from tasks.tokenizer import train_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- metrics
 
@@ -142,12 +142,12 @@ def test_one_benchmark_registry_for_configs_and_sse_rl_eval(tmp_path):
     assert "amc23" in cfg.data.eval
 
 
-def test_the_task_layer_imports_neither_eval_nor_the_stages():
+def test_the_task_layer_imports_neither_eval_nor_the_pipeline():
     import subprocess
     import sys
 
-    code = ("import sys, pipeline.data.loaders, pipeline.data.prompts; "
-            "print([m for m in sys.modules if m.split('.')[0] == 'eval' or m.startswith('pipeline.stages')])")
+    code = ("import sys, tasks.loaders, tasks.prompts, tasks.retrieval, tasks.sources; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('eval', 'pipeline')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def checkpoint(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.data.tokenizer import train_tokenizer
+    from tasks.tokenizer import train_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     texts = [json.loads(line)["problem"] for line in shared_data_file("aime24.jsonl").read_text().splitlines()[:5]]

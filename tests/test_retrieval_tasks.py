@@ -1,4 +1,4 @@
-"""Recall tasks (pipeline/data/retrieval.py, docs/retrieval.md): determinism, disjoint splits, lengths, the
+"""Recall tasks (tasks/retrieval.py, docs/retrieval.md): determinism, disjoint splits, lengths, the
 needle once and retrievable, task options refused with the file and key, exact grading, and the eval report's
 breakdowns by context length, pairs and query position (metrics on hand-made samples, and the runner end to
 end with a stand-in engine)."""
@@ -14,8 +14,10 @@ from eval.metrics import accuracy_by_group, compute_metrics, query_position_accu
 from eval.runner import evaluate, markdown_report, problem_seed
 from pipeline import config
 from pipeline.config import ConfigError, DataSource, GeneratorSettings
-from pipeline.data import retrieval
-from pipeline.data.loaders import (
+from rewards import build_reward
+from rewards.retrieval import grade_answer
+from tasks import retrieval
+from tasks.loaders import (
     DataError,
     benchmark_source,
     load_benchmark,
@@ -23,7 +25,7 @@ from pipeline.data.loaders import (
     load_sft_dataset,
     tokenize_codes,
 )
-from pipeline.data.retrieval import (
+from tasks.retrieval import (
     ADJECTIVES,
     ANIMALS,
     COLORS,
@@ -34,9 +36,7 @@ from pipeline.data.retrieval import (
     generate_task,
     split_of,
 )
-from pipeline.data.tokenizer import conversation_texts, train_tokenizer
-from rewards import build_reward
-from rewards.retrieval import grade_answer
+from tasks.tokenizer import conversation_texts, train_tokenizer
 
 SMALL_MQAR = {"vocab_size": 512, "mix": [{"context_length": 32, "num_pairs": 4},
                                          {"context_length": 64, "num_pairs": 8},

@@ -37,9 +37,9 @@ def _one_config(one_triton_config):
 def checkpoint(tmp_path_factory):
     """SSE-H (6 layers of 512, attention at 2 and 5, heads of 128, n4k1 + shared) trained on generated
     arithmetic for 300 steps, saved in bf16 with its tokenizer."""
-    from pipeline.data.generator import generate
-    from pipeline.data.tokenizer import train_tokenizer
     from sse_model import SSEConfig, SSEForCausalLM
+    from tasks.generator import generate
+    from tasks.tokenizer import train_tokenizer
 
     rows = generate(6000, levels=(1, 2, 3), seed=0)
     texts = [f"{r['problem']}\n{r['solution']}" for r in rows]

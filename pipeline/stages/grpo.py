@@ -8,8 +8,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from pipeline.data.loaders import filter_long_prompts, load_rl_dataset
-from pipeline.data.prompts import prompt_token_ids
 from pipeline.faults import fault_point
 from pipeline.rollouts import engine_kwargs, set_cpu_kv_cache
 from pipeline.training import (
@@ -20,6 +18,8 @@ from pipeline.training import (
     weights_dtype,
 )
 from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
+from tasks.loaders import filter_long_prompts, load_rl_dataset
+from tasks.prompts import prompt_token_ids
 
 
 class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, GRPOTrainer):

@@ -14,11 +14,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
-from pipeline.data.loaders import load_sft_dataset
-from pipeline.data.tokenizer import conversation_texts, train_tokenizer
 from pipeline.rundir import fsync_dir
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import PRESETS
+from tasks.loaders import load_sft_dataset
+from tasks.tokenizer import conversation_texts, train_tokenizer
 
 
 class CheckpointError(ValueError):

@@ -5,7 +5,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
-from pipeline.data.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
 from pipeline.token_weights import TokenWeighting
 from pipeline.training import (
     StageCallback,
@@ -20,6 +19,7 @@ from pipeline.trl_seams import (
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
 )
+from tasks.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
 
 
 class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,

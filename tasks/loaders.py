@@ -1,10 +1,10 @@
 """Datasets for the stages and for `sse-rl eval`, from the generator, a local JSONL/Parquet file, a Hugging Face
-dataset id, or a benchmark name (`pipeline.config.BENCHMARKS`).
+dataset id, or a benchmark name (`tasks.sources.BENCHMARKS`).
 
 Every source is normalised to TRL's conversational formats:
   SFT:       {"prompt": [messages], "completion": [assistant message]}   (loss on the completion)
   RL, eval:  {"prompt": [messages], "answer": str, "id": str}            (rewards read `answer`)
-A text prompt becomes one user message in the shared prompt template (`pipeline.data.prompts`); a prompt that
+A text prompt becomes one user message in the shared prompt template (`tasks.prompts`); a prompt that
 is already a list of chat messages is kept as it is. The exception is MQAR in Zoology's format (`options.format:
 zoology`): no prompt and no chat template, one sequence of codes per row (SFT: `text`, tokenized by
 `tokenize_codes` with the loss on the answer codes; eval: a `sequence` column, scored teacher-forced).
@@ -20,10 +20,10 @@ from pathlib import Path
 import datasets
 import pyarrow.parquet as pq
 
-from pipeline.config import BENCHMARKS, DataSource, describe
-from pipeline.data.generator import generate
-from pipeline.data.prompts import build_prompt, prompt_token_ids
-from pipeline.data.retrieval import TASK_COLUMNS, generate_task
+from tasks.generator import generate
+from tasks.prompts import build_prompt, prompt_token_ids
+from tasks.retrieval import TASK_COLUMNS, generate_task
+from tasks.sources import BENCHMARKS, DataSource, describe
 
 ROLES = ("system", "user", "assistant")
 _MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]

@@ -1,6 +1,6 @@
 """Recall tasks for issue 16 ("show that SSE's larger state earns its keep"): generators of rows like the
 arithmetic generator's, used as data sources (`source: generator` with `generator.task`) and as eval sets by
-name (`mqar_test`, `niah_word_4k`, `s_niah_uuid_8k`, ...; `pipeline.config.BENCHMARKS`). docs/retrieval.md
+name (`mqar_test`, `niah_word_4k`, `s_niah_uuid_8k`, ...; `tasks.sources.BENCHMARKS`). docs/retrieval.md
 describes them; this module is stdlib only, so `pipeline.config` can check task options with it.
 
 Tasks:
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 TASKS = ("mqar", "niah_word", "s_niah")
-# Columns that RL and eval rows of these tasks keep beside prompt/answer/id (pipeline.data.loaders).
+# Columns that RL and eval rows of these tasks keep beside prompt/answer/id (tasks.loaders).
 TASK_COLUMNS = ("task", "context_length", "num_pairs")
 TEST_PERCENT = 50
 
@@ -89,7 +89,7 @@ MQAR_TRAIN_MIX = [{"context_length": 64, "num_pairs": 4}, {"context_length": 128
                   {"context_length": 256, "num_pairs": 16}, {"context_length": 256, "num_pairs": 32},
                   {"context_length": 256, "num_pairs": 64}]
 # MQAR renderings: "prose" a prompt and a generated \boxed{} answer (every task's shape), "zoology" one plain
-# sequence of codes with every query followed by its value (pipeline.data.loaders.tokenize_codes).
+# sequence of codes with every query followed by its value (tasks.loaders.tokenize_codes).
 MQAR_FORMATS = ("prose", "zoology")
 MQAR_TEST_MIX = [*MQAR_TRAIN_MIX, {"context_length": 512, "num_pairs": 64},
                  {"context_length": 512, "num_pairs": 128}, {"context_length": 1024, "num_pairs": 256}]
@@ -337,7 +337,7 @@ def _k(n: int) -> str:
     return f"{n // K}k"
 
 
-# name -> (task, rows, options): the eval sets registered in pipeline.config.BENCHMARKS (split "test", seed 0).
+# name -> (task, rows, options): the eval sets registered in tasks.sources.BENCHMARKS (split "test", seed 0).
 BENCHMARKS: dict[str, tuple[str, int, dict]] = {
     "mqar_test": ("mqar", 100 * len(MQAR_TEST_MIX), {"mix": MQAR_TEST_MIX}),
     **{f"niah_word_{_k(n)}": ("niah_word", 100, {"context_lengths": [n], "instruction": "strong"})

@@ -18,6 +18,6 @@ def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` under the tokenizer's chat template, ending with the assistant turn's opening."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; set `chat_template` in tokenizer_config.json "
-                         "(prompts are chat messages, see pipeline/data/prompts.py)")
+                         "(prompts are chat messages, see tasks/prompts.py)")
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
