@@ -126,11 +126,12 @@ def training_vs_T(lengths, fla_layouts=True):
     return rows
 
 
-def scaling_with_N(T, partitions):
+def scaling_with_N(T, partitions, fla_layouts=True):
     rows = []
     for N in partitions:
-        row = {"N": N, "T": T, "sse_indexed_ms": time_sse("triton_indexed", T, N),
-               "sse_varlen_ms": time_sse("triton_varlen", T, N)}
+        row = {"N": N, "T": T, "sse_indexed_ms": time_sse("triton_indexed", T, N)}
+        if fla_layouts:
+            row["sse_varlen_ms"] = time_sse("triton_varlen", T, N)
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -203,6 +204,11 @@ def decode(batches, copy_bw, N=4, K=1):
     return rows
 
 
+def ms(row, key):
+    """A time of a table row, or "-" where it was not measured."""
+    return f"{row[key]:.2f}" if key in row else "-"
+
+
 def markdown(result):
     """The tables of the sections measured so far."""
     lines = [f"# SSE GPU benchmark, {result['device']}, {result['date']}", "",
@@ -218,9 +224,6 @@ def markdown(result):
                   "| T | SSE indexed ms | SSE varlen ms | SSE mask ms | GLA (fla) ms | SDPA flash ms | indexed / GLA | "
                   "varlen / GLA | SDPA / indexed | indexed fwd ms | GLA fwd ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        def ms(r, key):
-            return f"{r[key]:.2f}" if key in r else "-"
-
         def varlen_over_gla(r):
             return f"{r['sse_varlen_ms'] / r['gla_ms']:.2f}" if "sse_varlen_ms" in r else "-"
         lines += [f"| {r['T']} | {r['sse_indexed_ms']:.2f} | {ms(r, 'sse_varlen_ms')} | {ms(r, 'sse_mask_ms')} | "
@@ -230,7 +233,7 @@ def markdown(result):
     if "scaling_N" in result:
         lines += ["", f"## SSE vs N, K = 1 + shared, T = {result['scaling_N'][0]['T']}", "",
                   "| N | SSE indexed ms | SSE varlen ms |", "| --- | --- | --- |"]
-        lines += [f"| {r['N']} | {r['sse_indexed_ms']:.2f} | {r['sse_varlen_ms']:.2f} |" for r in result["scaling_N"]]
+        lines += [f"| {r['N']} | {r['sse_indexed_ms']:.2f} | {ms(r, 'sse_varlen_ms')} |" for r in result["scaling_N"]]
     if "varlen_breakdown" in result:
         b = result["varlen_breakdown"]
         lines += ["", f"## Varlen breakdown, T = {b['T']}", "",
@@ -256,7 +259,8 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--lengths", default="1024,4096,16384,65536,131072")
     parser.add_argument("--sections", default="training,scaling_N,varlen_breakdown,decode")
-    parser.add_argument("--no-fla-layouts", action="store_true", help="training rows without the varlen/mask paths")
+    parser.add_argument("--no-fla-layouts", action="store_true",
+                        help="training and N rows without the varlen/mask paths")
     args = parser.parse_args()
     import fla
     torch.manual_seed(0)
@@ -270,7 +274,7 @@ def main():
     stem = out / f"sse_gpu_{result['date']}"
     sections = [("training", lambda: training_vs_T([int(t) for t in args.lengths.split(",")],
                                                    fla_layouts=not args.no_fla_layouts)),
-                ("scaling_N", lambda: scaling_with_N(16384, [1, 2, 4, 8, 16])),
+                ("scaling_N", lambda: scaling_with_N(16384, [1, 2, 4, 8, 16], fla_layouts=not args.no_fla_layouts)),
                 ("varlen_breakdown", lambda: varlen_breakdown(65536)),
                 ("decode", lambda: decode([1, 64, 256, 1024], bw))]
     for name, measure in sections:  # saved after each section, so a cut-off run keeps what it measured

@@ -102,7 +102,7 @@ def _scores(q, k, b, dtype, BT: tl.constexpr):
 def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_out_ptr, decay_normalizer, H, C, ROW_TOPK: tl.constexpr,
                  DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per token, all heads: keys = softmax_keys(k_logits), and where the chunk kernels cannot read g as given,
-    the float32 log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer) and / or masked to the
+    the log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer) and / or masked to the
     kept rows (row-sparse). Computed once per call instead of in every chunk kernel."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -303,7 +303,9 @@ def _keys(k_logits, log_decay, row_topk, dtype, decay_normalizer):
     decay logits when `decay_normalizer` is given."""
     L, H, C = k_logits.shape
     fresh = decay_normalizer is not None or row_topk
-    g = torch.empty(L, H, C, dtype=torch.float32, device=k_logits.device) if fresh else log_decay
+    # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
+    # it is read K + 1 times per token by five kernels.
+    g = torch.empty(L, H, C, dtype=dtype, device=k_logits.device) if fresh else log_decay
     keys = torch.empty(L, H, C, dtype=dtype, device=k_logits.device)
     if L:
         _keys_kernel[(L,)](k_logits, log_decay, keys, g, decay_normalizer or 1.0, H, C, row_topk or 0,
