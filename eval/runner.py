@@ -24,7 +24,7 @@ from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.retrieval import grade_answer
 from rewards.text import last_boxed
 from tasks import prompts
-from tasks.loaders import answer_positions, code_token_ids, load_benchmark
+from tasks.loaders import code_token_ids, load_benchmark, query_answers
 from tasks.retrieval import TASK_COLUMNS
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,9 @@ def _generate(llm, dataset: str, batch: list[dict], *, n, temperature, top_p, ma
 
 class TeacherForced:
     """Zoology's MQAR accuracy: the model (transformers, float32) reads a row's whole code sequence once; query j
-    is right when the argmax of the next-token logits at its key is the value's token. Greedy decoding of one
-    code after the same prefix gives the same prediction, without a generation engine."""
+    is right when the argmax of the next-token logits at its key is the value's token (the sequence holds filler
+    there, never the answer). Greedy decoding of one code after the same prefix gives the same prediction,
+    without a generation engine."""
 
     def __init__(self, model_dir: str):
         import torch
@@ -145,11 +146,11 @@ class TeacherForced:
     def score(self, row: dict) -> dict:
         """The row's one sample, graded: `query_correct` per query, `correct` when every query is right."""
         ids = code_token_ids(self.tokenizer, row["sequence"])
-        answers = answer_positions(len(ids), row["num_queries"])
+        answers = query_answers(ids, row["num_pairs"])
         with self.torch.no_grad():
             logits = self.model(self.torch.tensor([ids])).logits[0]
-        predicted = logits[[p - 1 for p in answers]].argmax(-1).tolist()
-        query_correct = [token == ids[p] for token, p in zip(predicted, answers, strict=True)]
+        predicted = logits[[slot - 1 for slot, _ in answers]].argmax(-1).tolist()
+        query_correct = [token == value for token, (_, value) in zip(predicted, answers, strict=True)]
         text = " ".join(self.tokenizer.decode([token]).strip() for token in predicted)
         return {"id": row["id"], "sample": 0, "completion": text, "answer": row["answer"], "extracted": text,
                 "num_tokens": len(predicted), "finish_reason": "teacher_forced", "truncated": False,

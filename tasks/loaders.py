@@ -7,7 +7,7 @@ Every source is normalised to TRL's conversational formats:
 A text prompt becomes one user message in the shared prompt template (`tasks.prompts`); a prompt that
 is already a list of chat messages is kept as it is. The exception is MQAR in Zoology's format (`options.format:
 zoology`): no prompt and no chat template, one sequence of codes per row (SFT: `text`, tokenized by
-`tokenize_codes` with the loss on the answer codes; eval: a `sequence` column, scored teacher-forced).
+`tokenize_codes` with labels on the answer slots only; eval: a `sequence` column, scored teacher-forced).
 A malformed row raises DataError naming the source, the row (the line number for JSONL) and the field.
 
 This package is the task layer: the stages and `eval/` import it, it imports neither.
@@ -33,7 +33,7 @@ RL_FEATURES = datasets.Features(
 # RL and eval rows of a recall task also keep what grading and the eval report's breakdowns read.
 TASK_FEATURES = {"task": datasets.Value("string"), "context_length": datasets.Value("int64"),
                  "num_pairs": datasets.Value("int64")}
-# Zoology-format MQAR: the code sequence (with a leading space, see `code_text`) and how many queries end it.
+# Zoology-format MQAR: the code sequence (with a leading space, see `code_text`) and how many queries it holds.
 CODE_FEATURES = {"sequence": datasets.Value("string"), "num_queries": datasets.Value("int64")}
 
 
@@ -44,12 +44,12 @@ class DataError(ValueError):
 def load_sft_dataset(src: DataSource) -> datasets.Dataset:
     """Prompt-completion examples. Columns: `messages_field` (its last turn is the target), else
     `prompt_field` + `completion_field` (text, or chat messages). Zoology-format MQAR: `text` (the code sequence)
-    and `num_queries`, for `tokenize_codes`."""
+    and `num_pairs`, for `tokenize_codes`."""
     if is_code_sequence(src):
         rows = _generated(src)
         return datasets.Dataset.from_list(
-            [{"text": r["sequence"], "num_queries": r["num_queries"]} for r in rows],
-            datasets.Features({"text": datasets.Value("string"), "num_queries": datasets.Value("int64")}))
+            [{"text": r["sequence"], "num_pairs": r["num_pairs"]} for r in rows],
+            datasets.Features({"text": datasets.Value("string"), "num_pairs": datasets.Value("int64")}))
     return _normalise(src, _sft_row, SFT_FEATURES)
 
 
@@ -77,20 +77,24 @@ def code_token_ids(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def answer_positions(length: int, num_queries: int) -> list[int]:
-    """Positions of the answer codes in a Zoology-format sequence of `length` codes that ends with
-    `num_queries` (query key, value) pairs."""
-    start = length - 2 * num_queries
-    return [start + 2 * j + 1 for j in range(num_queries)]
+def query_answers(ids: list[int], num_pairs: int) -> list[tuple[int, int]]:
+    """(answer slot, value token) of each query of a Zoology-format sequence, in order: a query is a later copy
+    of one of the first `num_pairs` keys (filler never repeats a key of its sample), its answer slot the next
+    position, whose input is filler and whose label is that key's value."""
+    value_of = dict(zip(ids[0:2 * num_pairs:2], ids[1:2 * num_pairs:2]))
+    return [(p + 1, value_of[ids[p]]) for p in range(2 * num_pairs, len(ids) - 1) if ids[p] in value_of]
 
 
 def tokenize_codes(dataset: datasets.Dataset, tokenizer) -> datasets.Dataset:
-    """Zoology-format SFT rows as TRL's pre-tokenized examples: `input_ids` (one token per code) and
-    `completion_mask` 1 at every answer code, so the loss is on the answers only (Zoology's loss)."""
+    """Zoology-format SFT rows as TRL's pre-tokenized examples: `input_ids` (one token per code) and `labels`, the
+    queried value at every answer slot and -100 elsewhere, so the loss is on the answers only (Zoology's loss) and
+    no answer is ever an input. TRL uses a `labels` column as it is."""
     def encode(row):
         ids = code_token_ids(tokenizer, row["text"])
-        answers = set(answer_positions(len(ids), row["num_queries"]))
-        return {"input_ids": ids, "completion_mask": [int(i in answers) for i in range(len(ids))]}
+        labels = [-100] * len(ids)
+        for slot, value in query_answers(ids, row["num_pairs"]):
+            labels[slot] = value
+        return {"input_ids": ids, "labels": labels}
 
     return dataset.map(encode, remove_columns=dataset.column_names, desc="Tokenizing code sequences")
 

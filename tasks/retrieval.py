@@ -10,7 +10,10 @@ Tasks:
              the second, as Zoology's token ids), so with the project's tokenizer trained on the fly one code is
              one to three tokens and never splits into digits (the tokenizer spells digits one by one).
              `format: zoology` renders a sample as Zoology's token sequence instead of a prompt and an answer:
-             `k1 v1 .. kn vn q1 a1 .. qm am`, for SFT with the loss on every answer and for teacher-forced eval.
+             `k1 v1 .. kn vn` then filler codes with the query keys among them at power-law gaps (`power_a`,
+             Zoology's `multiquery_ar`); a query's value is the label of the position after it, never an input
+             there (a filler code stands in), so a model cannot rule out values it has already seen answered.
+             For SFT with the loss on every answer and for teacher-forced eval (tasks.loaders.query_answers).
   niah_word  Needle in a haystack of word facts ("The quiet harbor is the amber heron."), word keys and word
              values, the facts in a fresh random order per sample, with an instruction before the haystack
              ("strong") or none; one fact is asked for. After SILA's NIAH-Word (see docs/retrieval.md).
@@ -89,7 +92,7 @@ MQAR_TRAIN_MIX = [{"context_length": 64, "num_pairs": 4}, {"context_length": 128
                   {"context_length": 256, "num_pairs": 16}, {"context_length": 256, "num_pairs": 32},
                   {"context_length": 256, "num_pairs": 64}]
 # MQAR renderings: "prose" a prompt and a generated \boxed{} answer (every task's shape), "zoology" one plain
-# sequence of codes with every query followed by its value (tasks.loaders.tokenize_codes).
+# sequence of codes whose answers are labels only (tasks.loaders.tokenize_codes).
 MQAR_FORMATS = ("prose", "zoology")
 MQAR_TEST_MIX = [*MQAR_TRAIN_MIX, {"context_length": 512, "num_pairs": 64},
                  {"context_length": 512, "num_pairs": 128}, {"context_length": 1024, "num_pairs": 256}]
@@ -100,7 +103,7 @@ S_NIAH_LENGTHS = [4 * K, 8 * K, 16 * K, 32 * K]
 
 # Options per task: name -> default. `check_options` checks the values.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "mqar": {"vocab_size": 8192, "mix": MQAR_TRAIN_MIX, "num_queries": None, "format": "prose"},
+    "mqar": {"vocab_size": 8192, "mix": MQAR_TRAIN_MIX, "num_queries": None, "format": "prose", "power_a": 0.01},
     "niah_word": {"context_lengths": NIAH_WORD_LENGTHS, "instruction": "strong"},
     "s_niah": {"context_lengths": S_NIAH_LENGTHS, "value": "number"},
 }
@@ -137,7 +140,10 @@ def check_options(task: str, options: dict) -> dict:
         if not isinstance(mix, list) or not mix:
             raise TaskOptionError("options.mix", "expected a non-empty list of {context_length, num_pairs}")
         _choice(out["format"], "options.format", MQAR_FORMATS)
-        # In Zoology's sequence every query is followed by its value: 2 codes a query instead of 1.
+        power = out["power_a"]
+        if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 < power <= 1:
+            raise TaskOptionError("options.power_a", f"expected a number in (0, 1] (1: uniform gaps), got {power!r}")
+        # In Zoology's sequence every query is followed by its answer's position: 2 codes a query instead of 1.
         query_codes = 2 if out["format"] == "zoology" else 1
         queries = out["num_queries"]
         if queries is not None:
@@ -252,26 +258,47 @@ def _mqar(rng: random.Random, entry: dict, split: str, opts: dict) -> dict:
             "?" + ",".join(str(keys[j]) for j in order)
         if split_of(canonical) == split:
             break
-    # Noise between the pairs and the queries (Zoology's filler tokens) brings the sequence to `length` codes;
-    # it never uses a code of this sample's keys or values, so each key occurs once in the context.
+    # Filler codes (Zoology's noise tokens) bring the sequence to `length` codes; they never use a code of this
+    # sample's keys or values, so each key occurs once in the context and a query is the only later copy of it.
     used = set(keys) | set(values)
-    noise = []
-    zoology = opts["format"] == "zoology"
-    while len(noise) < length - 2 * pairs - (2 if zoology else 1) * asked:
-        c = rng.randrange(vocab)
-        if c not in used:
-            noise.append(c)
-    context = [code(c, width) for k, v in zip(keys, values) for c in (k, v)] + [code(c, width) for c in noise]
+
+    def filler(n: int) -> list[str]:
+        codes = []
+        while len(codes) < n:
+            c = rng.randrange(vocab)
+            if c not in used:
+                codes.append(code(c, width))
+        return codes
+    pair_codes = [code(c, width) for k, v in zip(keys, values) for c in (k, v)]
     queries = [code(keys[j], width) for j in order]
     answers = [code(values[j], width) for j in order]
-    if zoology:  # one sequence: each query key followed by its value, the positions the loss and eval score
-        problem = " ".join(context + [c for q, a in zip(queries, answers) for c in (q, a)])
-        return {"problem": problem, "answer": " ".join(answers), "canonical": canonical, "context_length": length,
-                "num_pairs": pairs, "num_queries": asked, "format": "zoology"}
+    if opts["format"] == "zoology":
+        # Zoology's multiquery_ar: the rest is (query slot, answer slot) pairs; the queries take slots drawn
+        # without replacement with p(gap) ~ gap^(power_a - 1) (small gaps likely), in query order. The answer slot
+        # holds filler: the value is only the label there (tasks.loaders.query_answers finds it).
+        region = filler(length - 2 * pairs)
+        for slot, key in zip(sorted(_power_law_slots(rng, (length - 2 * pairs) // 2, asked, opts["power_a"])),
+                             queries):
+            region[2 * slot] = key
+        return {"problem": " ".join(pair_codes + region), "answer": " ".join(answers), "canonical": canonical,
+                "context_length": length, "num_pairs": pairs, "num_queries": asked, "format": "zoology"}
+    context = pair_codes + filler(length - 2 * pairs - asked)
     problem = (f"Key-value pairs:\n{' '.join(context)}\nQueries:\n{' '.join(queries)}\n"
                "Give the value of each queried key, in the order of the queries, separated by spaces.")
     return {"problem": problem, "answer": " ".join(answers), "canonical": canonical,
             "context_length": length, "num_pairs": pairs, "num_queries": asked}
+
+
+def _power_law_slots(rng: random.Random, slots: int, k: int, power_a: float) -> list[int]:
+    """k distinct slots of range(slots), drawn one by one with weights (slot + 1)^(power_a - 1), as numpy's
+    weighted choice without replacement in Zoology's generator."""
+    weights = [(s + 1) ** (power_a - 1) for s in range(slots)]
+    chosen = []
+    for _ in range(k):
+        s = rng.choices(range(slots), weights)[0]
+        chosen.append(s)
+        weights[s] = 0.0
+    return chosen
 
 
 def _phrase(index: int, first: list[str], second: list[str], sep: str = " ") -> str:

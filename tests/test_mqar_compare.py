@@ -75,6 +75,6 @@ def test_compare_writes_table_differences_and_plot(tmp_path):
     md = (tmp_path / "out" / "mqar_compare_t.md").read_text()
     assert "| SSE-H | mqar-zoology-sse-h |  | 12 |  | 75.0 (" in md
     assert "| Transformer | SSE-H | 16 | 40 | +50.0 (" in md
-    assert "| elimination level | | | | | | 52.1 | 21.1 |" in md  # (1 + 1/2 + ... + 1/n) / n at 4 and 16 pairs
+    assert "| copying level | | | | | | 25.0 | 6.2 |" in md  # 1 / n at 4 and 16 pairs
     assert (tmp_path / "out" / "mqar_compare_t.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "out" / "mqar_compare_t.json").read_text())["differences"] == result["differences"]

@@ -413,70 +413,105 @@ def _zoology_source(split="train", n=40, options=ZOOLOGY) -> DataSource:
                       generator=GeneratorSettings(task="mqar", num_examples=n, options=options))
 
 
+def _zoology_parts(codes: list[str], pairs: int):
+    """(key -> value of the pairs, [(position of a query, its key)]) of a Zoology-format code sequence."""
+    lookup = dict(zip(codes[0:2 * pairs:2], codes[1:2 * pairs:2]))
+    return lookup, [(p, c) for p, c in enumerate(codes) if p >= 2 * pairs and c in lookup]
+
+
 def test_mqar_zoology_sequence():
     rows = generate_task("mqar", 20, options=ZOOLOGY)
     for i, r in enumerate(rows):
         length, pairs = ZOOLOGY["mix"][i % 2]["context_length"], ZOOLOGY["mix"][i % 2]["num_pairs"]
         codes = r["problem"].split()
         assert len(codes) == length and r["num_queries"] == pairs and r["format"] == "zoology"
-        lookup = dict(zip(codes[0:2 * pairs:2], codes[1:2 * pairs:2]))
-        tail = codes[length - 2 * pairs:]  # (query, value) pairs end the sequence; noise codes before them
-        assert sorted(tail[0::2]) == sorted(lookup) and all(lookup[q] == a for q, a in zip(tail[0::2], tail[1::2]))
-        assert r["answer"] == " ".join(tail[1::2])
-        for noise in codes[2 * pairs:length - 2 * pairs]:
-            assert noise not in lookup and noise not in lookup.values()
+        lookup, queries = _zoology_parts(codes, pairs)
+        # Every key queried once, each in a query slot (an even offset after the pairs); the answers are the
+        # queried keys' values in order, and no value is ever an input after the pairs: the answer slot and every
+        # other position there holds filler, none of this sample's codes.
+        assert sorted(k for _, k in queries) == sorted(lookup)
+        assert all((p - 2 * pairs) % 2 == 0 for p, _ in queries)
+        assert r["answer"] == " ".join(lookup[k] for _, k in queries)
+        at_queries = {p for p, _ in queries}
+        for p in range(2 * pairs, length):
+            if p not in at_queries:
+                assert codes[p] not in lookup and codes[p] not in lookup.values()
     test = generate_task("mqar", 20, options=ZOOLOGY, split="test")
     assert not {r["problem"] for r in rows} & {r["problem"] for r in test}
 
 
-def test_zoology_sft_rows_supervise_every_answer_code():
+def test_mqar_zoology_query_gaps_follow_the_power_law():
+    """Zoology's gaps: with power_a 0.01 the queries crowd the first slots after the pairs; 1 spreads them."""
+    def mean_first_slot(power_a):
+        options = {**ZOOLOGY, "vocab_size": 128, "mix": [{"context_length": 64, "num_pairs": 4}], "power_a": power_a}
+        slots = [(_zoology_parts(r["problem"].split(), 4)[1][0][0] - 8) // 2
+                 for r in generate_task("mqar", 300, options=options)]
+        return sum(slots) / len(slots)
+    # 28 slots, 4 queries: uniform gives the first query at slot 4.8 on average, the power law about 1.
+    assert mean_first_slot(0.01) < 2.0 < 3.5 < mean_first_slot(1.0)
+    with pytest.raises(ValueError, match="mqar: options.power_a: expected a number in"):
+        generate_task("mqar", 1, options={**ZOOLOGY, "power_a": 0})
+
+
+def test_zoology_sft_rows_label_every_answer_and_show_none():
     sft = load_sft_dataset(_zoology_source())
-    assert sft.column_names == ["text", "num_queries"] and sft[0]["text"].startswith(" ")
+    assert sft.column_names == ["text", "num_pairs"] and sft[0]["text"].startswith(" ")
     tokenizer = train_tokenizer(conversation_texts(sft), vocab_size=400)
     tokens = tokenize_codes(sft, tokenizer)
-    assert tokens.column_names == ["input_ids", "completion_mask"]
+    assert tokens.column_names == ["input_ids", "labels"]
     for row, example in zip(sft, tokens):
         codes = row["text"].split()
-        ids, mask = example["input_ids"], example["completion_mask"]
-        assert len(ids) == len(codes)  # one token per code
-        # The same code is the same token wherever it stands: the first key, its query, its value, its answer.
-        assert {c: i for c, i in zip(codes, ids)} == {c: tokenizer.convert_tokens_to_ids("\u0120" + c) for c in codes}
-        q = row["num_queries"]
-        assert mask == [0] * (len(codes) - 2 * q) + [0, 1] * q
+        ids, labels = example["input_ids"], example["labels"]
+        assert len(ids) == len(codes) == len(labels)  # one token per code
+        # The same code is the same token wherever it stands: the first key, its query, its value.
+        token = {c: tokenizer.convert_tokens_to_ids("\u0120" + c) for c in codes}
+        assert {c: i for c, i in zip(codes, ids)} == token
+        lookup, queries = _zoology_parts(codes, row["num_pairs"])
+        want = [-100] * len(codes)
+        for p, key in queries:
+            want[p + 1] = token[lookup[key]]
+            assert ids[p + 1] != want[p + 1]  # the label, never the input
+        assert labels == want
     # A tokenizer that splits codes is refused, not trained on misplaced answers.
     with pytest.raises(DataError, match="codes gave [0-9]+ tokens .*: Zoology-format MQAR needs one token per code"):
         tokenize_codes(sft, train_tokenizer(["a b c"], vocab_size=270))
 
 
-class OracleModel:
-    """A stand-in causal LM: the next token of the sequence it reads, except at positions listed in `wrong`."""
+class RecallOracle:
+    """A stand-in causal LM that solves MQAR: at each position it predicts the token that followed the first
+    earlier copy of the current token (at a query: the key's value), except at the first query of the
+    sequence when `wrong_first`, where it predicts the next token id instead."""
 
-    def __init__(self, vocab: int, wrong: set[int]):
-        self.vocab, self.wrong = vocab, wrong
+    def __init__(self, vocab: int, wrong_first: bool):
+        self.vocab, self.wrong_first = vocab, wrong_first
 
     def __call__(self, ids):
         import torch
         ids = ids[0].tolist()
         logits = torch.zeros(1, len(ids), self.vocab)
+        first_query = True
         for i in range(len(ids) - 1):
-            logits[0, i, (ids[i + 1] + (i + 1 in self.wrong)) % self.vocab] = 1.0
+            earlier = [j for j in range(i) if ids[j] == ids[i]]
+            guess = ids[earlier[0] + 1] if earlier else 0
+            if earlier and first_query:
+                first_query = False
+                guess = (guess + self.wrong_first) % self.vocab
+            logits[0, i, guess] = 1.0
         return SimpleNamespace(logits=logits)
 
 
 def test_zoology_eval_is_teacher_forced_per_query(tmp_path, monkeypatch):
     src = _zoology_source(split="test", n=8)
     rows = load_rl_dataset(src)
-    assert {"sequence", "num_queries"} <= set(rows.column_names) and rows[0]["sequence"].startswith(" ")
+    assert {"sequence", "num_queries", "num_pairs"} <= set(rows.column_names) and rows[0]["sequence"].startswith(" ")
     tokenizer = train_tokenizer(conversation_texts(load_sft_dataset(_zoology_source(n=200))), vocab_size=400)
-    # Wrong at the first answer (position length - 2q + 1) of every sequence: 1 of the q queries.
-    wrong = {8 - 4 + 1, 20 - 8 + 1}
 
     real = runner.TeacherForced
 
-    def scorer(model_dir):
+    def scorer(model_dir):  # wrong at the first query of every sequence: 1 of its q queries
         s = real.__new__(real)
         import torch
-        s.torch, s.tokenizer, s.model = torch, tokenizer, OracleModel(len(tokenizer), wrong)
+        s.torch, s.tokenizer, s.model = torch, tokenizer, RecallOracle(len(tokenizer), wrong_first=True)
         return s
 
     monkeypatch.setattr(runner, "TeacherForced", scorer)
