@@ -155,16 +155,28 @@ def test_bad_arguments_are_named(bad, message):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("per_token_log_decay", [-0.05, -40.0], ids=["factorised", "pairwise_fallback"])
-def test_gla_core_both_score_forms(dtype, tol, per_token_log_decay):
-    """The chunked GLA core switches to the exact pairwise form when in-chunk decay would overflow exp(-b);
-    both forms must match the recurrence, with no NaN from the strong decay."""
+@pytest.mark.parametrize("decays", ["weak", "strong", "mixed"])
+def test_gla_core_both_score_forms(dtype, tol, decays):
+    """The chunked GLA core switches from the factorised scores to the block-relative form when in-chunk decay
+    would overflow exp(-b) ("strong": every token, "mixed": a few sharp decays among weak ones, so blocks see
+    both); output, final state and gradients must match the recurrence, with no NaN from the strong decay."""
     from kernels.gla import chunk_gla_torch
     g_ = torch.Generator().manual_seed(21)
     q = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
     k = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
     v = torch.randn(2, 45, 2, 4, generator=g_, dtype=torch.float64)
-    g = per_token_log_decay * torch.rand(2, 45, 2, 8, generator=g_, dtype=torch.float64)
-    o_ref, s_ref = recurrent_gla_reference(q, k, v, g, output_final_state=True)
-    o, s = chunk_gla_torch(*(x.to(dtype) for x in (q, k, v, g)), output_final_state=True)
+    g = -0.05 * torch.rand(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    if decays == "strong":
+        g = g * 800
+    elif decays == "mixed":
+        g = torch.where(torch.rand(2, 45, 1, 1, generator=g_) < 0.15, g * 2000, g)
+    inputs = [x.requires_grad_() for x in (q, k, v, g)]
+    o_ref, s_ref = recurrent_gla_reference(*inputs, output_final_state=True)
+    w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref)
+    ref_grads = torch.autograd.grad((o_ref * w_o).sum() + (s_ref * w_s).sum(), inputs)
+    cast = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    o, s = chunk_gla_torch(*cast, output_final_state=True)
+    grads = torch.autograd.grad((o * w_o.to(dtype)).sum() + (s * w_s.to(dtype)).sum(), cast)
     assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+    for name, got, want in zip("qkvg", grads, ref_grads):
+        assert rel_err(got, want) < tol, name
