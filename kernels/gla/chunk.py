@@ -25,7 +25,7 @@ def _strong_decay_scores(qc, kc, b, block=8):
     nb = C // block
     qb, bb = qc.view(NC, nb, block, H, K), b.view(NC, nb, block, H, K)
     # r for block i is token i * block - 1; block 0 has no earlier tokens (its reference is never used).
-    ref = torch.cat([b[:, :1] * 0, b[:, block - 1:C - 1:block]], 1)  # [NC, nb, H, K]
+    ref = torch.cat([torch.zeros_like(b[:, :1]), b[:, block - 1:C - 1:block]], 1)  # [NC, nb, H, K]
     earlier = torch.arange(C, device=qc.device)[None, :] < (torch.arange(nb, device=qc.device) * block)[:, None]
     k_rel = (ref[:, :, None] - b[:, None]).masked_fill(~earlier[None, :, :, None, None], float("-inf")).exp()
     inter = torch.einsum("nithk,nishk->nhits", qb * (bb - ref[:, :, None]).exp(), kc[:, None] * k_rel)
