@@ -255,10 +255,6 @@ class Config:
         return Path(self.output_dir) / self.name
 
 
-# Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
-# (tasks.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
-
-
 # ---------------------------------------------------------------------------------------------------- loading
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:

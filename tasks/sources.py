@@ -33,6 +33,8 @@ class DataSource:
     id_field: str = "id"  # rows without it get "<name>-<row>"
 
 
+# Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
+# (tasks.loaders.benchmark_source resolves a name, a file or a Hugging Face id).
 BENCHMARKS = {
     "math500": DataSource(source="HuggingFaceH4/MATH-500", name="math500", split="test", id_field="unique_id"),
     "aime24": DataSource(source="HuggingFaceH4/aime_2024", name="aime24", split="train"),
