@@ -9,10 +9,15 @@ Codes are token ids (one token per code, as the pipeline's tokenizer gives) and 
 replacement, `zoo` Zoology's (the value a label only, a random code as the input there; no gaps).
 
     python bench/mqar_sweep.py all OUTDIR WORKERS DEADLINE_S VARIANT:SEED:STEPS[:key=value,...] ...
-    python bench/mqar_sweep.py report OUTDIR [--out bench/results]     # mqar_sweep_<date>.{md,json}
+    python bench/mqar_sweep.py report OUTDIR [OUT [TAG]]   # OUT/mqar_sweep_<TAG>.{md,json}: bench/results, date
 
-`run` (one run, what `all` starts per spec) takes the same fields; key=value: lr, wd, bs, fmt or an SSEConfig
-field. The SSE layers use the torch chunked path (the CPU's), so the math is the pipeline's on CPU.
+`fmt=config` trains on the rows a pipeline config generates instead (configs/mqar_sse_h.yaml unless
+`config=PATH`: its data.sft rows in TRL's shuffled order, epoch after epoch, scored on its data.eval rows; Zoology's
+format from 2026-11-25 on, 4-32 pairs), each code one token id, the vocabulary the codes plus a pad id: the CPU
+comparison's recipe, with more seeds than the CPU allows.
+
+`run` (one run, what `all` starts per spec) takes the same fields; key=value: lr, wd, bs, fmt, config or an
+SSEConfig field. The SSE layers use the torch chunked path (the CPU's), so the math is the pipeline's on CPU.
 """
 import json
 import math
@@ -67,8 +72,47 @@ def batch(gen, n_rows, device, pairs_of_row=None, fmt="elim"):
         noise = torch.randint(64, (n_rows, 8), generator=gen)
         ids[rows[:, None].expand(-1, 8)[live], ans[live]] = noise[live]
     mask = (torch.arange(L)[None] < 4 * npairs[:, None]).long()
-    first = 2 * npairs + 1
-    return ids.to(device), labels.to(device), mask.to(device), first.to(device), npairs.to(device)
+    return ids.to(device), labels.to(device), mask.to(device), npairs.to(device)
+
+
+def config_rows(path):
+    """(train rows, test rows, number of codes) of a pipeline MQAR config's generators (data.sft, data.eval[0]),
+    each row (code ids, labels) with the labels as the SFT stage puts them (`tasks.retrieval.query_answers`)."""
+    import yaml
+
+    from tasks.retrieval import code, code_width, generate_task, query_answers
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    while "extends" in config:  # a comparison config names the base it changes
+        with open(os.path.join(os.path.dirname(path), config.pop("extends"))) as f:
+            config = {**yaml.safe_load(f), **{k: v for k, v in config.items() if k != "model"}}
+    train, test = config["data"]["sft"]["generator"], config["data"]["eval"][0]["generator"]
+    vocab = train["options"]["vocab_size"]
+    id_of = {code(i, code_width(vocab)): i for i in range(vocab)}
+
+    def rows(gen, split):
+        out = []
+        for row in generate_task(gen["task"], gen["num_examples"], gen["seed"], split, gen["options"]):
+            ids = [id_of[c] for c in row["problem"].split()]
+            labels = [-100] * len(ids)
+            for slot, value in query_answers(ids, row["num_pairs"]):
+                labels[slot] = value
+            out.append((ids, labels, row["num_pairs"]))
+        return out
+    return rows(train, "train"), rows(test, "test"), vocab
+
+
+def code_batch(rows, num_codes, device):
+    """(ids, labels, mask, pairs) of config rows, right-padded with id `num_codes`."""
+    import torch
+    L = max(len(ids) for ids, _, _ in rows)
+    ids = torch.full((len(rows), L), num_codes, dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for r, (i, lab, _) in enumerate(rows):
+        ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = torch.tensor(i), torch.tensor(lab), 1
+    pairs = torch.tensor([n for _, _, n in rows])
+    return ids.to(device), labels.to(device), mask.to(device), pairs.to(device)
 
 
 def run(variant, seed, steps, out, extra):
@@ -80,7 +124,11 @@ def run(variant, seed, steps, out, extra):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lr, wd, bs = float(extra.pop("lr", 1e-3)), float(extra.pop("wd", 0.1)), int(extra.pop("bs", 64))
     fmt = extra.pop("fmt", "elim")
+    config_path = extra.pop("config", "configs/mqar_sse_h.yaml")
     cfg = {**BASE, **VARIANTS[variant], **{k: json.loads(v) for k, v in extra.items()}}
+    if fmt == "config":
+        train_rows, test_rows, num_codes = config_rows(config_path)
+        cfg["vocab_size"] = num_codes + 1  # the last id pads
     cfg.setdefault("sse_impl", "chunk_torch_varlen")
     torch.manual_seed(seed)
     model = SSEForCausalLM(SSEConfig(**cfg)).to(device)
@@ -93,21 +141,26 @@ def run(variant, seed, steps, out, extra):
         opt, lambda s: s / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
     gen = torch.Generator().manual_seed(1000 + seed)
     egen = torch.Generator().manual_seed(7)
-    ev = batch(egen, 800, device, pairs_of_row=lambda r: r % 4, fmt=fmt)
+    if fmt == "config":
+        ev = code_batch(test_rows, num_codes, device)
+        epochs = -(-steps * bs // len(train_rows))  # past one epoch, each further epoch in a fresh order
+        order = torch.cat([torch.randperm(len(train_rows), generator=gen) for _ in range(epochs)]).tolist()
+    else:
+        ev = batch(egen, 800, device, pairs_of_row=lambda r: r % 4, fmt=fmt)
     curve, evals, t0 = [], [], time.time()
 
     def evaluate(step):
         model.eval()
         with torch.no_grad():
-            ids, labels, mask, first, npairs = ev
+            ids, labels, mask, npairs = ev
             logits = model(input_ids=ids, attention_mask=mask).logits
             pred = logits[:, :-1].argmax(-1)
             tgt = labels[:, 1:]
             ok = (pred == tgt) & (tgt >= 0)
             per_row = ok.sum(1).float() / (tgt >= 0).sum(1).float()
-            fq = ok[torch.arange(len(ids)), first - 1].float()
+            fq = ok[torch.arange(len(ids)), (tgt >= 0).int().argmax(1)].float()
             rec = dict(step=step, all=float(per_row.mean()) * 100, first_query=float(fq.mean()) * 100,
-                       **{f"p{n}": float(per_row[npairs == n].mean()) * 100 for n in PAIRS},
+                       **{f"p{n}": float(per_row[npairs == n].mean()) * 100 for n in npairs.unique().tolist()},
                        s=round(time.time() - t0, 1))
         model.train()
         evals.append(rec)
@@ -115,7 +168,11 @@ def run(variant, seed, steps, out, extra):
 
     acc = 0.0
     for step in range(1, steps + 1):
-        ids, labels, mask, _, _ = batch(gen, bs, device, fmt=fmt)
+        if fmt == "config":
+            ids, labels, mask, _ = code_batch([train_rows[i] for i in order[(step - 1) * bs:step * bs]], num_codes,
+                                              device)
+        else:
+            ids, labels, mask, _ = batch(gen, bs, device, fmt=fmt)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,7 +211,7 @@ def run_all(outdir, workers, deadline, specs):
         time.sleep(2)
 
 
-def report(outdir, out="bench/results"):
+def report(outdir, out="bench/results", tag=None):
     """One row per run: its last evaluation and the first step whose first-query accuracy reached 80 %."""
     import datetime
     rows = []
@@ -163,30 +220,34 @@ def report(outdir, out="bench/results"):
             d = json.load(open(os.path.join(outdir, path)))
             last = d["evals"][-1]
             bound = next((e["step"] for e in d["evals"] if e["first_query"] >= 80), None)
-            rows.append(dict(fmt=d.get("fmt", "elim"), variant=d["variant"], seed=d["seed"], schedule=d["steps"],
+            rows.append(dict(fmt=d.get("fmt", "elim"), variant=d["variant"], seed=d["seed"], lr=d["lr"], wd=d["wd"],
+                             schedule=d["steps"],
                              step=last["step"], first_query=last["first_query"], all=last["all"],
-                             **{f"p{n}": last[f"p{n}"] for n in PAIRS}, bound_by=bound, device=d["device"]))
-    rows.sort(key=lambda r: (r["fmt"], r["variant"], r["seed"]))
+                             **{k: v for k, v in last.items() if k[0] == "p"}, bound_by=bound, device=d["device"]))
+    rows.sort(key=lambda r: (r["fmt"], r["variant"], r["schedule"], -r["lr"], r["seed"]))
+    pairs = sorted({int(k[1:]) for r in rows for k in r if k[0] == "p"})
     date = datetime.date.today().isoformat()
     lines = [f"# MQAR sweep (bench/mqar_sweep.py), {date}", "",
-             "Per-query accuracy in % at the run's last evaluation (800 sequences, 200 per number of pairs); "
-             "'bound by': first evaluation (every 800 steps) with first-query accuracy >= 80 %. A last step below "
+             "Per-query accuracy in % at the run's last evaluation (800 sequences, 200 per number of pairs; "
+             "`config`: the config's test rows); 'bound by': first evaluation (every EVAL_EVERY steps, 800 unless "
+             "set) with first-query accuracy >= 80 %. A last step below "
              "the schedule: the run was stopped by its device call's time limit. Device: "
              + ", ".join(sorted({r["device"] for r in rows})) + ".", "",
-             "| format | model | seed | schedule steps | last step | first query | all | 2 | 4 | 6 | 8 | bound by |",
-             "| --- " * 12 + "|"]
-    lines += [f"| {r['fmt']} | {r['variant']} | {r['seed']} | {r['schedule']} | {r['step']} | "
-              f"{r['first_query']:.1f} | {r['all']:.1f} | " + " | ".join(f"{r[f'p{n}']:.1f}" for n in PAIRS)
+             "| format | model | seed | lr | weight decay | schedule steps | last step | first query | all | "
+             + " | ".join(f"{n} pairs" for n in pairs) + " | bound by |", "| --- " * (10 + len(pairs)) + "|"]
+    lines += [f"| {r['fmt']} | {r['variant']} | {r['seed']} | {r['lr']:g} | {r['wd']:g} | {r['schedule']} | "
+              f"{r['step']} | {r['first_query']:.1f} | {r['all']:.1f} | "
+              + " | ".join(f"{r[f'p{n}']:.1f}" if f"p{n}" in r else "-" for n in pairs)
               + f" | {r['bound_by'] or '-'} |" for r in rows]
     os.makedirs(out, exist_ok=True)
-    open(os.path.join(out, f"mqar_sweep_{date}.md"), "w").write("\n".join(lines) + "\n")
-    json.dump(rows, open(os.path.join(out, f"mqar_sweep_{date}.json"), "w"), indent=1)
+    open(os.path.join(out, f"mqar_sweep_{tag or date}.md"), "w").write("\n".join(lines) + "\n")
+    json.dump(rows, open(os.path.join(out, f"mqar_sweep_{tag or date}.json"), "w"), indent=1)
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "report":
-        report(sys.argv[2], *sys.argv[3:4])
+        report(sys.argv[2], *sys.argv[3:5])
     elif sys.argv[1] == "run":
         run(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
             dict(a.split("=", 1) for a in sys.argv[6:]))

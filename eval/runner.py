@@ -24,8 +24,8 @@ from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.retrieval import grade_answer
 from rewards.text import last_boxed
 from tasks import prompts
-from tasks.loaders import code_token_ids, load_benchmark, query_answers
-from tasks.retrieval import TASK_COLUMNS
+from tasks.loaders import code_token_ids, load_benchmark
+from tasks.retrieval import TASK_COLUMNS, query_answers
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from tasks.generator import generate
 from tasks.prompts import build_prompt, prompt_token_ids
-from tasks.retrieval import TASK_COLUMNS, generate_task
+from tasks.retrieval import TASK_COLUMNS, generate_task, query_answers
 from tasks.sources import BENCHMARKS, DataSource, describe
 
 ROLES = ("system", "user", "assistant")
@@ -75,14 +75,6 @@ def code_token_ids(tokenizer, text: str) -> list[int]:
                         "one token per code; train the tokenizer on these rows (model.tokenizer.train) with enough "
                         "entries (model.tokenizer.vocab_size) or use a smaller options.vocab_size")
     return ids
-
-
-def query_answers(ids: list[int], num_pairs: int) -> list[tuple[int, int]]:
-    """(answer slot, value token) of each query of a Zoology-format sequence, in order: a query is a later copy
-    of one of the first `num_pairs` keys (filler never repeats a key of its sample), its answer slot the next
-    position, whose input is filler and whose label is that key's value."""
-    value_of = dict(zip(ids[0:2 * num_pairs:2], ids[1:2 * num_pairs:2]))
-    return [(p + 1, value_of[ids[p]]) for p in range(2 * num_pairs, len(ids) - 1) if ids[p] in value_of]
 
 
 def tokenize_codes(dataset: datasets.Dataset, tokenizer) -> datasets.Dataset:

@@ -13,7 +13,7 @@ Tasks:
              `k1 v1 .. kn vn` then filler codes with the query keys among them at power-law gaps (`power_a`,
              Zoology's `multiquery_ar`); a query's value is the label of the position after it, never an input
              there (a filler code stands in), so a model cannot rule out values it has already seen answered.
-             For SFT with the loss on every answer and for teacher-forced eval (tasks.loaders.query_answers).
+             For SFT with the loss on every answer and for teacher-forced eval (`query_answers`).
   niah_word  Needle in a haystack of word facts ("The quiet harbor is the amber heron."), word keys and word
              values, the facts in a fresh random order per sample, with an instruction before the haystack
              ("strong") or none; one fact is asked for. After SILA's NIAH-Word (see docs/retrieval.md).
@@ -275,7 +275,7 @@ def _mqar(rng: random.Random, entry: dict, split: str, opts: dict) -> dict:
     if opts["format"] == "zoology":
         # Zoology's multiquery_ar: the rest is (query slot, answer slot) pairs; the queries take slots drawn
         # without replacement with p(gap) ~ gap^(power_a - 1) (small gaps likely), in query order. The answer slot
-        # holds filler: the value is only the label there (tasks.loaders.query_answers finds it).
+        # holds filler: the value is only the label there (`query_answers` finds it).
         region = filler(length - 2 * pairs)
         for slot, key in zip(sorted(_power_law_slots(rng, (length - 2 * pairs) // 2, asked, opts["power_a"])),
                              queries):
@@ -287,6 +287,14 @@ def _mqar(rng: random.Random, entry: dict, split: str, opts: dict) -> dict:
                "Give the value of each queried key, in the order of the queries, separated by spaces.")
     return {"problem": problem, "answer": " ".join(answers), "canonical": canonical,
             "context_length": length, "num_pairs": pairs, "num_queries": asked}
+
+
+def query_answers(ids: list[int], num_pairs: int) -> list[tuple[int, int]]:
+    """(answer slot, value token) of each query of a Zoology-format sequence, in order: a query is a later copy
+    of one of the first `num_pairs` keys (filler never repeats a key of its sample), its answer slot the next
+    position, whose input is filler and whose label is that key's value."""
+    value_of = dict(zip(ids[0:2 * num_pairs:2], ids[1:2 * num_pairs:2]))
+    return [(p + 1, value_of[ids[p]]) for p in range(2 * num_pairs, len(ids) - 1) if ids[p] in value_of]
 
 
 def _power_law_slots(rng: random.Random, slots: int, k: int, power_a: float) -> list[int]:
