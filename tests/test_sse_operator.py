@@ -155,11 +155,12 @@ def test_bad_arguments_are_named(bad, message):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("decays", ["weak", "strong", "mixed"])
+@pytest.mark.parametrize("decays", ["weak", "strong", "mixed", "one head"])
 def test_gla_core_both_score_forms(dtype, tol, decays):
-    """The chunked GLA core switches from the factorised scores to the block-relative form when in-chunk decay
-    would overflow exp(-b) ("strong": every token, "mixed": a few sharp decays among weak ones, so blocks see
-    both); output, final state and gradients must match the recurrence, with no NaN from the strong decay."""
+    """The chunked GLA core takes the block-relative scores for the (chunk, head) pairs whose in-chunk decay would
+    overflow exp(-b), the factorised ones elsewhere ("strong": every token, "mixed": a few sharp decays among weak
+    ones, so blocks see both, "one head": sharp decays in head 0 only); output, final state and gradients must
+    match the recurrence, with no NaN from the strong decay."""
     from kernels.gla import chunk_gla_torch
     g_ = torch.Generator().manual_seed(21)
     q = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
@@ -170,6 +171,8 @@ def test_gla_core_both_score_forms(dtype, tol, decays):
         g = g * 800
     elif decays == "mixed":
         g = torch.where(torch.rand(2, 45, 1, 1, generator=g_) < 0.15, g * 2000, g)
+    elif decays == "one head":
+        g[:, :, 0] *= torch.where(torch.rand(2, 45, 1, generator=g_) < 0.15, 2000.0, 1.0)
     inputs = [x.requires_grad_() for x in (q, k, v, g)]
     o_ref, s_ref = recurrent_gla_reference(*inputs, output_final_state=True)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref)
