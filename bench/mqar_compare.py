@@ -186,8 +186,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=str(ROOT / "runs"), help="the runs' parent folder")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("--values", type=int, default=32, help="value codes of the task (vocab_size / 2), for "
-                        "the plot's chance line; 0: none")
+    parser.add_argument("--values", type=int, default=128, help="value codes of the task (vocab_size / 2: 128 in "
+                        "configs/mqar_*.yaml), for the plot's chance line; 0: none")
     parser.add_argument("--tag", default=datetime.date.today().isoformat(), help="file name suffix")
     args = parser.parse_args(argv)
     runs = {}
