@@ -77,10 +77,10 @@ def batch(gen, n_rows, device, pairs_of_row=None, fmt="elim"):
 
 def config_rows(path):
     """(train rows, test rows, number of codes) of a pipeline MQAR config's generators (data.sft, data.eval[0]),
-    each row (code ids, labels) with the labels as the SFT stage puts them (`tasks.retrieval.query_answers`)."""
+    each row (code ids, labels, pairs) with the labels the SFT stage gives (`tasks.retrieval.answer_labels`)."""
     import yaml
 
-    from tasks.retrieval import code, code_width, generate_task, query_answers
+    from tasks.retrieval import answer_labels, code, code_width, generate_task
     with open(path) as f:
         config = yaml.safe_load(f)
     while "extends" in config:  # a comparison config names the base it changes
@@ -94,10 +94,7 @@ def config_rows(path):
         out = []
         for row in generate_task(gen["task"], gen["num_examples"], gen["seed"], split, gen["options"]):
             ids = [id_of[c] for c in row["problem"].split()]
-            labels = [-100] * len(ids)
-            for slot, value in query_answers(ids, row["num_pairs"]):
-                labels[slot] = value
-            out.append((ids, labels, row["num_pairs"]))
+            out.append((ids, answer_labels(ids, row["num_pairs"]), row["num_pairs"]))
         return out
     return rows(train, "train"), rows(test, "test"), vocab
 

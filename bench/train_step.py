@@ -67,7 +67,8 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     torch.cuda.empty_cache()
-    # Per step: its time, and the host's time to queue it (close to the step time: the host, not the GPU, bounds it).
+    # Per step: its time, and the host's time to queue it (close to the step time: the host bounds the step, or a
+    # full launch queue held the host back).
     return dict(tokens_per_s=T / statistics.median(times), peak_gib=peak,
                 step_ms=[round(x * 1e3, 2) for x in times], host_ms=[round(x * 1e3, 2) for x in host])
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from tasks.generator import generate
 from tasks.prompts import build_prompt, prompt_token_ids
-from tasks.retrieval import TASK_COLUMNS, generate_task, query_answers
+from tasks.retrieval import TASK_COLUMNS, answer_labels, generate_task
 from tasks.sources import BENCHMARKS, DataSource, describe
 
 ROLES = ("system", "user", "assistant")
@@ -83,10 +83,7 @@ def tokenize_codes(dataset: datasets.Dataset, tokenizer) -> datasets.Dataset:
     no answer is ever an input. TRL uses a `labels` column as it is."""
     def encode(row):
         ids = code_token_ids(tokenizer, row["text"])
-        labels = [-100] * len(ids)
-        for slot, value in query_answers(ids, row["num_pairs"]):
-            labels[slot] = value
-        return {"input_ids": ids, "labels": labels}
+        return {"input_ids": ids, "labels": answer_labels(ids, row["num_pairs"])}
 
     return dataset.map(encode, remove_columns=dataset.column_names, desc="Tokenizing code sequences")
 

@@ -297,6 +297,14 @@ def query_answers(ids: list[int], num_pairs: int) -> list[tuple[int, int]]:
     return [(p + 1, value_of[ids[p]]) for p in range(2 * num_pairs, len(ids) - 1) if ids[p] in value_of]
 
 
+def answer_labels(ids: list[int], num_pairs: int) -> list[int]:
+    """Training labels of a Zoology-format sequence: each query's value at its answer slot, -100 elsewhere."""
+    labels = [-100] * len(ids)
+    for slot, value in query_answers(ids, num_pairs):
+        labels[slot] = value
+    return labels
+
+
 def _power_law_slots(rng: random.Random, slots: int, k: int, power_a: float) -> list[int]:
     """k distinct slots of range(slots), drawn one by one with weights (slot + 1)^(power_a - 1), as numpy's
     weighted choice without replacement in Zoology's generator."""
