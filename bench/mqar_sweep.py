@@ -78,25 +78,20 @@ def batch(gen, n_rows, device, pairs_of_row=None, fmt="elim"):
 def config_rows(path):
     """(train rows, test rows, number of codes) of a pipeline MQAR config's generators (data.sft, data.eval[0]),
     each row (code ids, labels, pairs) with the labels the SFT stage gives (`tasks.retrieval.answer_labels`)."""
-    import yaml
-
+    from pipeline.config import load_config
     from tasks.retrieval import answer_labels, code, code_width, generate_task
-    with open(path) as f:
-        config = yaml.safe_load(f)
-    while "extends" in config:  # a comparison config names the base it changes
-        with open(os.path.join(os.path.dirname(path), config.pop("extends"))) as f:
-            config = {**yaml.safe_load(f), **{k: v for k, v in config.items() if k != "model"}}
-    train, test = config["data"]["sft"]["generator"], config["data"]["eval"][0]["generator"]
-    vocab = train["options"]["vocab_size"]
+    data = load_config(path).data
+    vocab = data.sft.generator.options["vocab_size"]
     id_of = {code(i, code_width(vocab)): i for i in range(vocab)}
 
-    def rows(gen, split):
+    def rows(source):
+        gen = source.generator
         out = []
-        for row in generate_task(gen["task"], gen["num_examples"], gen["seed"], split, gen["options"]):
+        for row in generate_task(gen.task, gen.num_examples, gen.seed, source.split, gen.options):
             ids = [id_of[c] for c in row["problem"].split()]
             out.append((ids, answer_labels(ids, row["num_pairs"]), row["num_pairs"]))
         return out
-    return rows(train, "train"), rows(test, "test"), vocab
+    return rows(data.sft), rows(data.eval[0]), vocab
 
 
 def code_batch(rows, num_codes, device):

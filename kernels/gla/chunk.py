@@ -80,9 +80,11 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
     # learned sharp decays has them in a few heads: 12 % of the pairs in a trained MQAR SSE-H), the factorised form
     # for the rest, with b = 0 standing in where it would overflow so that nothing in the graph is inf.
     strong = b.detach().amin(dim=(1, 3)) <= -FACTORISED_LIMIT[dtype]  # [NC, H]
-    b_safe = b.masked_fill(strong[:, None, :, None], 0.0)
-    scores = torch.einsum("nthk,nshk->nhts", qc * b_safe.exp(), kc * (-b_safe).exp()).masked_fill(~causal, 0)
-    if strong.any():
+    any_strong = bool(strong.any())
+    b_safe = b.masked_fill(strong[:, None, :, None], 0.0) if any_strong else b
+    q_scores = qc * b_safe.exp() if any_strong else q_decayed
+    scores = torch.einsum("nthk,nshk->nhts", q_scores, kc * (-b_safe).exp()).masked_fill(~causal, 0)
+    if any_strong:
         n, h = strong.nonzero(as_tuple=True)
         pairs = [x[n, :, h][:, :, None] for x in (qc, kc, b)]  # [pairs, C, 1, K]
         scores = scores.index_put((n, h), _strong_decay_scores(*pairs)[:, 0])
