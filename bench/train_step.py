@@ -3,6 +3,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
 
     python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
     python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
+    python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
@@ -104,10 +105,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--models", nargs="+", choices=["SSE-H", "all-attention", "Qwen3"],
+                   default=["SSE-H", "all-attention", "Qwen3"], help="an A/B of two trees may time SSE-H alone")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
     args = p.parse_args(argv)
-    builds = models()
+    builds = {name: build for name, build in models().items() if name in args.models}
     if args.profile:
         now = datetime.now(timezone.utc)
         lines = [f"# Training step profile, {torch.cuda.get_device_name()}, {now.isoformat(timespec='seconds')}, "
@@ -147,7 +150,7 @@ def main(argv=None):
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for r in rows:
         ratio = (f"{r['SSE-H']['tokens_per_s'] / r['Qwen3']['tokens_per_s']:.2f}"
-                 if r["SSE-H"] and r["Qwen3"] else "")
+                 if r.get("SSE-H") and r.get("Qwen3") else "")
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "
                      + " | ".join(cell(r[n]) for n in names) + f" | {ratio} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

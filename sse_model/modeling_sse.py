@@ -166,13 +166,20 @@ class SSELayer(nn.Module):
         def heads(t):
             return t.view(B, T, self.num_heads, -1)
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        decay_logits = heads(self.decay_up(self.decay_down(x)))
-        inputs = dict(q=q, k_logits=k, v=v, log_decay=decay_logits, router_logits=self.router(x))
+        lora = hasattr(self, "q_shared_up")
+        # The router and the low-rank down projections (4-64 outputs each) as one GEMM over their stacked weights,
+        # as vLLM's `narrow_proj`: one launch and one product for x's gradient instead of four of each plus three
+        # adds (the wide projections stay apart: stacked, their 8k-wide output cost more than it saved,
+        # kernels/NOTES.md).
+        narrow = [self.router, self.decay_down] + ([self.q_shared_down, self.k_shared_down] if lora else [])
+        router_logits, decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
+            [m.out_features for m in narrow], -1)
+        decay_logits = heads(self.decay_up(decay_code))
+        inputs = dict(q=q, k_logits=k, v=v, log_decay=decay_logits, router_logits=router_logits)
         if self.config.sse_shared_partition:
-            lora = hasattr(self, "q_shared_up")
             inputs["q_shared"], inputs["k_shared_logits"] = sse_math.shared_partition_qk(
-                q, k, heads(self.q_shared_up(self.q_shared_down(x))) if lora else None,
-                heads(self.k_shared_up(self.k_shared_down(x))) if lora else None)
+                q, k, heads(self.q_shared_up(shared_codes[0])) if lora else None,
+                heads(self.k_shared_up(shared_codes[1])) if lora else None)
         if token_mask is not None:
             pad = ~token_mask[:, :, None, None].bool()
             inputs["v"], inputs["log_decay"] = v.masked_fill(pad, 0.0), decay_logits.masked_fill(pad, float("inf"))

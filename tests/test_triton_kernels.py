@@ -190,6 +190,37 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
     assert max(errors.values()) < CHUNK_TOL[device][F32], errors
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["states-kept", "states-recomputed"])
+def test_indexed_chunk_backward_keeps_or_recomputes_states(device, kept, monkeypatch):
+    """The backward takes the forward's per-chunk states when they fit `KEPT_STATES_BYTES` and recomputes them
+    otherwise (one `_chained` call more): both against the float64 reference, on a varlen batch with initial
+    states."""
+    from kernels.sse import sse_reference
+    from kernels.triton import indexed_chunk
+    monkeypatch.setattr(indexed_chunk, "KEPT_STATES_BYTES", 2**62 if kept else 0)
+    chained = []
+    real_chained = indexed_chunk._chained
+    monkeypatch.setattr(indexed_chunk, "_chained", lambda *a, **k: chained.append(k["query"]) or real_chained(*a, **k))
+    H, c, dv, lengths = (SHAPES[device][n] for n in ("H", "c", "dv", "lengths"))
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T, N = int(cu[-1]), 4
+    failures = []
+    for dtype in SHAPES[device]["dtypes"]:
+        inputs = exact_in_bf16_inputs(T, H, c, dv, N, len(lengths), device)
+        kw = dict(top_k=1, cu_seqlens=cu)
+        cot = cotangents_for(T, H, N, c, dv, len(lengths), device)
+        chained.clear()
+        got = forward_backward(chunk_impl("triton_indexed", device), as_leaves(inputs, dtype), cot, **kw)
+        assert chained == ([False, True] if kept else [False, False, True]), chained
+        ref = forward_backward(sse_reference, as_leaves(inputs, torch.float64), cot, **kw)
+        errors = {n: rel_err(got[n], ref[n]) for n in ref}
+        line = f"{str(dtype)[6:]}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items())
+        print(line)
+        if max(errors.values()) >= CHUNK_TOL[device][dtype]:
+            failures.append(line)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("row_topk", [None, 4], ids=["dense", "row-sparse"])
 def test_indexed_chunk_takes_decay_logits(device, row_topk):
     """With `decay_normalizer` the indexed path takes decay logits x and applies log a = logsigmoid(x) / 16 in its

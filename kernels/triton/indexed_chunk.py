@@ -19,7 +19,8 @@ Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
            activations' dtype (and the final state in float32); `_output` [NC, H, NV]: o rows; `collect`
            (expand.py) sums a token's rows.
-- backward the states again (recomputed, not saved), then `_chunk_sums` + `_scan` in reverse for the gradient
+- backward the states (kept from the forward up to `KEPT_STATES_BYTES`, recomputed above it), then
+           `_chunk_sums` + `_scan` in reverse for the gradient
            of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H] (one pass over the
            value blocks for dA, dq, dk and the decay gradient): row gradients; `_expand_bwd_kernel` (expand.py)
            reduces them to the token inputs.
@@ -35,6 +36,12 @@ from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kern
 from kernels.triton.routing import route_varlen
 
 CHUNK = 64               # rows per chunk
+# The forward keeps the per-chunk states for the backward when they take at most this many bytes, and the
+# backward recomputes them above it. They cost 2 H C d_v bytes per row of a chunk (16 KiB per token and layer with
+# one routed partition + the shared one at 16 heads of 128 x 128: 137 MB at 8k tokens, kept; 0.54 GB at 32k,
+# recomputed); recomputing is `_chunk_sums` + `_scan`, ~2.5 % of an 8k training step of the 6-layer bench model
+# (kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+KEPT_STATES_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
 
@@ -367,19 +374,20 @@ class _IndexedChunk(torch.autograd.Function):
         _output_kernel[_chunk_grid(tables, H, V, launch)](
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
             P, scale, **launch)
-        del h, sources
+        del sources
         o = torch.empty(L, H, V, dtype=v.dtype, device=v.device)
         if L:
             _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], triton.next_power_of_2(H),
                                       triton.next_power_of_2(V))
+        kept = h if h.numel() * h.element_size() <= KEPT_STATES_BYTES else None
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                              final, *tables[:6])
+                              final, kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final,
+        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h,
          *index) = ctx.saved_tensors
         S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
@@ -389,8 +397,8 @@ class _IndexedChunk(torch.autograd.Function):
         do = do.contiguous()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
-        # h is recomputed, not saved; its final state is not needed again, nor d h0 without an initial state.
-        h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
+        if h is None:  # not kept (KEPT_STATES_BYTES); the final state is not needed again, nor d h0 without h0
+            h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
         dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True,
                            exact_last=initial_state is not None)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
