@@ -12,7 +12,8 @@ replacement, `zoo` Zoology's (the value a label only, a random code as the input
     python bench/mqar_sweep.py report OUTDIR [OUT [TAG]]   # OUT/mqar_sweep_<TAG>.{md,json}: bench/results, date
 
 `fmt=config` trains on the rows a pipeline config generates instead (configs/mqar_sse_h.yaml unless
-`config=PATH`: its data.sft rows in TRL's shuffled order, epoch after epoch, scored on its data.eval rows; Zoology's
+`config=PATH`: its data.sft rows in the order TRL's sampler gives them (shuffled, or grouped by length when the config
+says `train_sampling_strategy: group_by_length`), epoch after epoch, scored on its data.eval rows; Zoology's
 format from 2026-11-25 on, 4-32 pairs), each code one token id, the vocabulary the codes plus a pad id: the CPU
 comparison's recipe, with more seeds than the CPU allows.
 
@@ -76,11 +77,13 @@ def batch(gen, n_rows, device, pairs_of_row=None, fmt="elim"):
 
 
 def config_rows(path):
-    """(train rows, test rows, number of codes) of a pipeline MQAR config's generators (data.sft, data.eval[0]),
-    each row (code ids, labels, pairs) with the labels the SFT stage gives (`tasks.retrieval.answer_labels`)."""
+    """(train rows, test rows, number of codes, the SFT sampler) of a pipeline MQAR config's generators (data.sft,
+    data.eval[0]), each row (code ids, labels, pairs) with the labels the SFT stage gives
+    (`tasks.retrieval.answer_labels`); the sampler is the config's `sft.train_sampling_strategy` (TRL's)."""
     from pipeline.config import load_config
     from tasks.retrieval import answer_labels, code, code_width, generate_task
-    data = load_config(path).data
+    cfg = load_config(path)
+    data = cfg.data
     vocab = data.sft.generator.options["vocab_size"]
     id_of = {code(i, code_width(vocab)): i for i in range(vocab)}
 
@@ -91,7 +94,7 @@ def config_rows(path):
             ids = [id_of[c] for c in row["problem"].split()]
             out.append((ids, answer_labels(ids, row["num_pairs"]), row["num_pairs"]))
         return out
-    return rows(data.sft), rows(data.eval[0]), vocab
+    return rows(data.sft), rows(data.eval[0]), vocab, cfg.sft.trl.get("train_sampling_strategy", "random")
 
 
 def code_batch(rows, num_codes, device):
@@ -119,7 +122,7 @@ def run(variant, seed, steps, out, extra):
     config_path = extra.pop("config", "configs/mqar_sse_h.yaml")
     cfg = {**BASE, **VARIANTS[variant], **{k: json.loads(v) for k, v in extra.items()}}
     if fmt == "config":
-        train_rows, test_rows, num_codes = config_rows(config_path)
+        train_rows, test_rows, num_codes, sampling = config_rows(config_path)
         cfg["vocab_size"] = num_codes + 1  # the last id pads
     cfg.setdefault("sse_impl", "chunk_torch_varlen")
     torch.manual_seed(seed)
@@ -136,7 +139,12 @@ def run(variant, seed, steps, out, extra):
     if fmt == "config":
         ev = code_batch(test_rows, num_codes, device)
         epochs = -(-steps * bs // len(train_rows))  # past one epoch, each further epoch in a fresh order
-        order = torch.cat([torch.randperm(len(train_rows), generator=gen) for _ in range(epochs)]).tolist()
+        if sampling == "group_by_length":  # the Trainer's sampler for it: batches of similar lengths
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+            lengths = [len(ids) for ids, _, _ in train_rows]
+            order = [i for _ in range(epochs) for i in get_length_grouped_indices(lengths, bs, generator=gen)]
+        else:
+            order = torch.cat([torch.randperm(len(train_rows), generator=gen) for _ in range(epochs)]).tolist()
     else:
         ev = batch(egen, 800, device, pairs_of_row=lambda r: r % 4, fmt=fmt)
     curve, evals, t0 = [], [], time.time()
@@ -177,6 +185,7 @@ def run(variant, seed, steps, out, extra):
         if step % EVAL_EVERY == 0 or step == steps:
             evaluate(step)
             json.dump(dict(variant=variant, seed=seed, steps=steps, fmt=fmt, lr=lr, wd=wd, bs=bs, config=cfg,
+                           sampling=sampling if fmt == "config" else None,
                            params=nparams, curve=curve, evals=evals, device=device), open(out, "w"))
 
 
@@ -212,7 +221,8 @@ def report(outdir, out="bench/results", tag=None):
             d = json.load(open(os.path.join(outdir, path)))
             last = d["evals"][-1]
             bound = next((e["step"] for e in d["evals"] if e["first_query"] >= 80), None)
-            rows.append(dict(fmt=d.get("fmt", "elim"), variant=d["variant"], seed=d["seed"], lr=d["lr"], wd=d["wd"],
+            fmt = d.get("fmt", "elim") + (", grouped" if d.get("sampling") == "group_by_length" else "")
+            rows.append(dict(fmt=fmt, variant=d["variant"], seed=d["seed"], lr=d["lr"], wd=d["wd"],
                              schedule=d["steps"],
                              step=last["step"], first_query=last["first_query"], all=last["all"],
                              **{k: v for k, v in last.items() if k[0] == "p"}, bound_by=bound, device=d["device"]))
