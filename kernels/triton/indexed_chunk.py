@@ -37,10 +37,10 @@ from kernels.triton.routing import route_varlen
 
 CHUNK = 64               # rows per chunk
 # The forward keeps the per-chunk states for the backward when they take at most this many bytes, and the
-# backward recomputes them above it. They cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with
-# one routed partition + the shared one at 16 heads of 128 x 128: 137 MB at 8k tokens, kept; 0.54 GB at 32k,
-# recomputed); recomputing is `_chunk_sums` + `_scan`, ~2.5 % of an 8k training step of the 6-layer bench model
-# (kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+# backward recomputes them above it. They cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and
+# layer with one routed partition + the shared one at 16 heads of 128 x 128: 137 MB at 8k tokens, kept; 0.54 GB
+# at 32k, recomputed); recomputing is `_chunk_sums` + `_scan`, 2.3 ms (~3 %) of an 8k training step of the
+# 6-layer bench model (kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
 KEPT_STATES_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
