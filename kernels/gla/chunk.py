@@ -55,56 +55,62 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
         raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
     L = B * T
-    q, k, v, g = (x.reshape(L, H, -1).to(dtype) for x in (q, k, v, g))
-    q = q * scale
-
     C = chunk_size
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     num_segments = lens.numel()
+    # Chunks in (position in segment, segment) order, segments by decreasing chunk count: the segments still running
+    # at position j are then a prefix, and their chunks j one contiguous block, so the state loop below slices
+    # instead of indexing (each indexed read cost a zero-filled gradient of the whole tensor in the backward).
     n_chunks = (lens + C - 1) // C
-    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-    chunk_seg = torch.repeat_interleave(torch.arange(num_segments, device=device), n_chunks)
-    NC = chunk_seg.numel()
-    offset = (torch.arange(NC, device=device) - first_chunk[chunk_seg])[:, None] * C + torch.arange(C, device=device)
-    valid = offset < lens[chunk_seg][:, None]
-    src = torch.where(valid, cu_seqlens[chunk_seg][:, None] + offset, L)  # row L is an appended zero row
+    by_count = torch.argsort(n_chunks, descending=True, stable=True)
+    running = (n_chunks[by_count][None] > torch.arange(int(n_chunks.max()) if num_segments else 0,
+                                                       device=device)[:, None]).sum(1).tolist()
+    NC = sum(running)
+    first_of_position = torch.tensor([0, *running[:-1]], device=device, dtype=torch.long).cumsum(0)
+    # Every token's row in the chunk layout; the rows no token takes (the end of a segment's last chunk) stay zero,
+    # and zero k, v and log-decay leave the state untouched.
+    segment = torch.repeat_interleave(torch.arange(num_segments, device=device), lens, output_size=L)
+    offset = torch.arange(L, device=device) - cu_seqlens[segment]
+    rank = torch.argsort(by_count)  # a segment's place in by_count
+    slot = (first_of_position[offset // C] + rank[segment]) * C + offset % C
 
-    def chunked(x):
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[src]  # [NC, C, H, d]
+    def chunked(x):  # [B, T, H, d] -> [NC, H, C, d]
+        x = x.reshape(L, H, -1).to(dtype)
+        return x.new_zeros(NC * C, *x.shape[1:]).index_copy(0, slot, x).view(NC, C, H, -1).transpose(1, 2).contiguous()
 
-    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)
-    b = gc.cumsum(1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    qc, kc, vc, gc = chunked(q.to(dtype) * scale), chunked(k), chunked(v), chunked(g)
+    b = gc.cumsum(2)
     q_decayed = qc * b.exp()
     # (chunk, head) pairs whose decay would overflow exp(-b): the block-relative form for those alone (a model that
     # learned sharp decays has them in a few heads: 12 % of the pairs in a trained MQAR SSE-H), the factorised form
     # for the rest, with b = 0 standing in where it would overflow so that nothing in the graph is inf.
-    strong = b.detach().amin(dim=(1, 3)) <= -FACTORISED_LIMIT[dtype]  # [NC, H]
+    strong = b.detach().amin(dim=(2, 3)) <= -FACTORISED_LIMIT[dtype]  # [NC, H]
     any_strong = bool(strong.any())
-    b_safe = b.masked_fill(strong[:, None, :, None], 0.0) if any_strong else b
+    b_safe = b.masked_fill(strong[:, :, None, None], 0.0) if any_strong else b
     q_scores = qc * b_safe.exp() if any_strong else q_decayed
-    scores = torch.einsum("nthk,nshk->nhts", q_scores, kc * (-b_safe).exp()).masked_fill(~causal, 0)
+    causal = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    scores = (q_scores @ (kc * (-b_safe).exp()).transpose(-1, -2)).masked_fill(~causal, 0)
     if any_strong:
         n, h = strong.nonzero(as_tuple=True)
-        pairs = [x[n, :, h][:, :, None] for x in (qc, kc, b)]  # [pairs, C, 1, K]
+        pairs = [x[n, h][:, :, None] for x in (qc, kc, b)]  # [pairs, C, 1, K]
         scores = scores.index_put((n, h), _strong_decay_scores(*pairs)[:, 0])
-    o = torch.einsum("nhts,nshv->nthv", scores, vc)
+    o = scores @ vc
 
-    b_last = b[:, -1]
-    chunk_update = torch.einsum("nshk,nshv->nhkv", kc * (b_last[:, None] - b).exp(), vc)
-    chunk_decay = b_last.exp()[..., None]
-
-    state = q.new_zeros(num_segments, H, K, V) if initial_state is None else initial_state.to(dtype)
-    before, before_ids = [], []
-    for j in range(int(n_chunks.max()) if num_segments else 0):
-        active = n_chunks > j
-        ids = (first_chunk + j).clamp(max=NC - 1)
-        before.append(state[active])
-        before_ids.append(ids[active])
-        state = torch.where(active[:, None, None, None], chunk_decay[ids] * state + chunk_update[ids], state)
+    b_last = b[:, :, -1:]
+    chunk_update = (kc * (b_last - b).exp()).transpose(-1, -2) @ vc  # [NC, H, K, V]
+    chunk_decay = b_last.exp().transpose(-1, -2)  # [NC, H, K, 1]
+    state = q.new_zeros(num_segments, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    state = state.index_select(0, by_count)
+    before, finished = [], []
+    for n_running, decay, update in zip(running, chunk_decay.split(running), chunk_update.split(running)):
+        finished.append(state[n_running:])
+        state = state[:n_running]
+        before.append(state)
+        state = decay * state + update
     if NC:
-        state_before = torch.cat(before)[torch.argsort(torch.cat(before_ids))]
-        o = o + torch.einsum("nthk,nhkv->nthv", q_decayed, state_before)
-    # Chunks are in (segment, time) order, so the valid rows are exactly tokens 0..L-1 in order.
-    o = o.reshape(NC * C, H, V)[valid.reshape(-1)].reshape(B, T, H, V)
-    return o.to(out_dtype), (state if output_final_state else None)
+        o = o + q_decayed @ torch.cat(before)
+    o = o.transpose(1, 2).reshape(NC * C, H, V).index_select(0, slot).view(B, T, H, V)
+    final = None
+    if output_final_state:  # finished holds the segments that ended before each position, longest last
+        final = torch.cat([state, *finished[::-1]]).index_select(0, rank)
+    return o.to(out_dtype), final
