@@ -143,8 +143,7 @@ def varlen_breakdown(T, N=4, K=1):
     ins = sse_inputs(T, N)
     e = ins["router_logits"].reshape(T, N)
     bounds = torch.tensor([0, T], device="cuda")
-    idx, pos, cu = route_varlen(e, bounds, K, True)
-    part = torch.cat([idx, idx.new_full((T, 1), N)], 1)
+    _, pos, cu, part, _ = route_varlen(e, bounds, K, True)
     flat = {n: x.reshape(T, H, -1) for n, x in ins.items() if n != "router_logits"}
     args = (flat["q"], flat["k_logits"], flat["v"], log_decay_from_logits(flat["log_decay"], 16.0), e, flat["q_shared"],
             flat["k_shared_logits"], part, pos, pos.numel(), None)

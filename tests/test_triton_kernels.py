@@ -96,24 +96,47 @@ assert {"triton_varlen", "triton_mask", "triton_indexed"} <= set(kernels.IMPLEME
     (5, 5, True, [7, 9]),           # K = N
     (1, 1, False, [1, 4]),          # N = 1 without shared partition: GLA
     (3, 2, False, [512]),           # exactly two token blocks
-], ids=["n4k1", "n8k2-short-segments", "k=n", "n1-gla", "two-blocks"])
+    (4, 1, True, [16500, 0, 400]),  # more token blocks than the kernels sum in one step (HIST_BLOCKS = 64)
+], ids=["n4k1", "n8k2-short-segments", "k=n", "n1-gla", "two-blocks", "many-blocks"])
 def test_routing_counting_sort(device, N, K, shared, lengths):
     from kernels.triton.routing import route_varlen
     bounds = torch.tensor([0] + lengths, device=device).cumsum(0)
     L, S, P, J = int(bounds[-1]), len(lengths), N + shared, K + shared
     logits = torch.randn(L, N, device=device, dtype=random.choice([F32, BF16]))
-    idx, pos, cu = route_varlen(logits, bounds, K, shared)
+    idx, pos, cu, part, row_token = route_varlen(logits, bounds, K, shared)
     assert torch.equal(logits.gather(1, idx.long()), logits.topk(K, 1).values), "top-K"
     # Reference: a stable argsort of (segment, partition) over rows in (token, selection) order.
-    part = torch.cat([idx.long(), torch.full((L, int(shared)), N, device=device)], 1)
+    want_part = torch.cat([idx.long(), torch.full((L, int(shared)), N, device=device)], 1)
+    assert torch.equal(part.long(), want_part), "partitions"
     seg = torch.repeat_interleave(torch.arange(S, device=device), torch.tensor(lengths, device=device))
-    group = (seg[:, None] * P + part).reshape(-1)
+    group = (seg[:, None] * P + want_part).reshape(-1)
     want_pos = torch.empty(L * J, dtype=torch.long, device=device)
     want_pos[torch.argsort(group, stable=True)] = torch.arange(L * J, device=device)
     want_cu = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
                          torch.bincount(group, minlength=S * P).cumsum(0)])
     assert torch.equal(pos.long().reshape(-1), want_pos), "positions"
     assert torch.equal(cu, want_cu), "cu_seqlens"
+    want_row_token = torch.empty(L * J, dtype=torch.long, device=device)
+    want_row_token[want_pos] = torch.arange(L, device=device).repeat_interleave(J)
+    assert torch.equal(row_token.long(), want_row_token), "row -> token"
+
+
+@pytest.mark.parametrize("lengths", [[0], [5, 0, 70, 1], None],  # None: 60 random segments, 300 groups
+                         ids=["empty", "short", "more-groups-and-slots-than-a-program-takes"])
+def test_chunk_index(device, lengths):
+    from kernels.triton.indexed_chunk import index_tables
+    N, K, chunk = 4, 1, 16
+    lengths = lengths or [random.randrange(0, 150) for _ in range(60)]
+    bounds = torch.tensor([0] + lengths, device=device).cumsum(0)
+    L = int(bounds[-1])
+    row_token, cu, chunk_first, chunk_group, *_ = index_tables(torch.randn(L, N, device=device), bounds, K, True,
+                                                               chunk)
+    chunks = (cu.diff() + chunk - 1) // chunk
+    want_first = torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
+    slots = torch.arange(chunk_group.numel(), device=device)
+    assert chunk_group.numel() == -(-L * (K + 1) // chunk) + len(lengths) * (N + 1)
+    assert torch.equal(chunk_first, want_first), "first chunk of each group"
+    assert torch.equal(chunk_group.long(), torch.searchsorted(want_first[1:], slots, right=True)), "group of each slot"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,8 +32,7 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
     num_segments = bounds.numel() - 1
     e = router_logits.reshape(L, N)
     if layout == "varlen":
-        idx, pos, gla_cu = route_varlen(e, bounds, top_k, shared)
-        part = idx if not shared else torch.cat([idx, idx.new_full((L, 1), N)], 1)
+        _, pos, gla_cu, part, _ = route_varlen(e, bounds, top_k, shared)
         gla_shape, state_shape = (1, L * (top_k + shared), H), (num_segments * P, H, c, dv)
     else:
         idx = route_topk(e, top_k)

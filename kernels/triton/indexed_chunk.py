@@ -106,11 +106,13 @@ def _scores(q, k, b, dtype, BT: tl.constexpr):
 
 
 @triton.jit
-def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_out_ptr, decay_normalizer, H, C, ROW_TOPK: tl.constexpr,
-                 DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Per token, all heads: keys = softmax_keys(k_logits), and where the chunk kernels cannot read g as given,
-    the log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer) and / or masked to the
-    kept rows (row-sparse). Computed once per call instead of in every chunk kernel."""
+def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr, decay_normalizer, H, C,
+                 SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Per token, all heads: keys = softmax_keys(k_logits) (and the shared partition's), and where the chunk
+    kernels cannot read g as given, the log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer)
+    and / or masked to the kept rows (row-sparse; the shared keys keep rows of their own, so their decay is
+    masked on its own). Computed once per call instead of in every chunk kernel."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -123,6 +125,11 @@ def _keys_kernel(k_ptr, g_ptr, keys_ptr, g_out_ptr, decay_normalizer, H, C, ROW_
         if DECAY_LOGITS:
             g = logsigmoid(g) / decay_normalizer
         tl.store(g_out_ptr + hc, tl.where(keep, g, 0.0), mask=m)
+    if SHARED:
+        keys, keep = softmax_keys(tl.load(ks_ptr + hc, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+        tl.store(keys_s_ptr + hc, keys.to(keys_s_ptr.dtype.element_ty), mask=m)
+        if ROW_TOPK > 0:
+            tl.store(g_s_ptr + hc, tl.where(keep, g, 0.0), mask=m)
 
 
 @triton.jit
@@ -305,33 +312,25 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
     tl.store(dg_ptr + hc, dg, mask=m)
 
 
-def _keys(k_logits, log_decay, row_topk, dtype, decay_normalizer):
-    """(keys, log-decay of the rows they write) [L, H, C] for one kind of row (routed or shared); log_decay holds
-    decay logits when `decay_normalizer` is given."""
-    L, H, C = k_logits.shape
-    fresh = decay_normalizer is not None or row_topk
-    # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
-    # it is read K + 1 times per token by five kernels.
-    g = torch.empty(L, H, C, dtype=dtype, device=k_logits.device) if fresh else log_decay
-    keys = torch.empty(L, H, C, dtype=dtype, device=k_logits.device)
-    if L:
-        _keys_kernel[(L,)](k_logits, log_decay, keys, g, decay_normalizer or 1.0, H, C, row_topk or 0,
-                           decay_normalizer is not None, triton.next_power_of_2(H), triton.next_power_of_2(C),
-                           num_warps=_warps(H, C))
-    return keys, g
-
-
 def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk, decay_normalizer):
     """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
-    shared keys, shared g); without a shared partition the shared slots repeat the routed ones (never read)."""
-    keys, g = _keys(k_logits, log_decay, row_topk, q.dtype, decay_normalizer)
-    if q_shared is None:
-        return q, keys, g, router_logits, q, keys, g
-    if row_topk:  # the shared keys keep rows of their own, so their decay is masked on its own
-        keys_s, g_s = _keys(k_shared_logits, log_decay, row_topk, q.dtype, decay_normalizer)
-    else:  # the same decay as the routed rows
-        keys_s, g_s = _keys(k_shared_logits, g, None, q.dtype, None)
-    return q, keys, g, router_logits, q_shared, keys_s, g_s
+    shared keys, shared g), one `_keys_kernel` launch; log_decay holds decay logits when `decay_normalizer` is
+    given. Without a shared partition the shared slots repeat the routed ones (never read)."""
+    L, H, C = k_logits.shape
+    shared = q_shared is not None
+
+    def new():
+        return torch.empty(L, H, C, dtype=q.dtype, device=q.device)
+    # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
+    # it is read K + 1 times per token by five kernels.
+    keys, g = new(), new() if decay_normalizer is not None or row_topk else log_decay
+    keys_s = new() if shared else keys
+    g_s = new() if shared and row_topk else g  # without row-sparse keys the shared rows decay as the routed ones
+    if L:
+        _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
+                           decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
+                           triton.next_power_of_2(H), triton.next_power_of_2(C), num_warps=_warps(H, C))
+    return (q, keys, g, router_logits) + ((q_shared, keys_s, g_s) if shared else (q, keys, g))
 
 
 def _launch(kernel, C, V, N, chunk_size):
@@ -467,24 +466,44 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     return dq, dk, dv, dg, de, dqs, dks
 
 
+@triton.jit
+def _chunk_index_kernel(cu_ptr, chunk_first_ptr, chunk_group_ptr, G, num_slots, CHUNK_ROWS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr):
+    """chunk_first [G + 1]: chunks of the groups before each group (program 0 stores it); chunk_group: the group
+    of each of this program's chunk slots (G past the last chunk), i.e. how many groups end at or before it."""
+    pid = tl.program_id(0)
+    slot = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    group = tl.zeros([BLOCK_S], tl.int32)
+    done = tl.sum(tl.zeros([BLOCK_G], tl.int64), 0)  # chunks of the groups before this tile
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        size = tl.load(cu_ptr + g + 1, mask=g < G, other=0) - tl.load(cu_ptr + g, mask=g < G, other=0)
+        chunks = (size + CHUNK_ROWS - 1) // CHUNK_ROWS
+        ends = done + tl.cumsum(chunks, 0)
+        if pid == 0:
+            tl.store(chunk_first_ptr + g + 1, ends, mask=g < G)
+        group += tl.sum(((ends[None, :] <= slot[:, None]) & (g[None, :] < G)).to(tl.int32), 1)
+        done += tl.sum(chunks, 0)
+    if pid == 0:
+        tl.store(chunk_first_ptr, 0)
+    tl.store(chunk_group_ptr + slot, group, mask=slot < num_slots)
+
+
 def index_tables(router_logits, bounds, top_k, shared, chunk_size):
     """Routing and the chunk index: (row_token [R], group bounds [G + 1], first chunk of each group [G + 1],
     group of each chunk slot [NC] (G past the last chunk), part and pos [L, K + shared], S, P). NC is an upper
-    bound known on the host, so nothing waits for the device."""
+    bound known on the host, so nothing waits for the device. Four launches and no torch op between them
+    (routing.py says why)."""
     L, N = router_logits.shape
     S, P, J = bounds.numel() - 1, N + shared, top_k + shared
-    idx, pos, cu = route_varlen(router_logits, bounds, top_k, shared)
-    part = idx if not shared else torch.cat([idx, idx.new_full((L, 1), N)], 1)
-    device = router_logits.device
-    row_token = torch.empty(L * J, dtype=torch.int32, device=device)
-    row_token.scatter_(0, pos.reshape(-1).long(),
-                       torch.arange(L, dtype=torch.int32, device=device).repeat_interleave(J))
-    chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
-    chunk_first = torch.zeros(S * P + 1, dtype=torch.int64, device=device)
-    torch.cumsum(chunks, 0, out=chunk_first[1:])
-    num_slots = triton.cdiv(L * J, chunk_size) + S * P
-    chunk_group = torch.searchsorted(chunk_first[1:], torch.arange(num_slots, device=device), right=True)
-    return row_token, cu, chunk_first, chunk_group.to(torch.int32), part.contiguous(), pos, S, P
+    routing = route_varlen(router_logits, bounds, top_k, shared)
+    G, num_slots = S * P, triton.cdiv(L * J, chunk_size) + S * P
+    chunk_first = torch.empty(G + 1, dtype=torch.int64, device=router_logits.device)
+    chunk_group = torch.empty(num_slots, dtype=torch.int32, device=router_logits.device)
+    block_s = 128
+    _chunk_index_kernel[(max(1, triton.cdiv(num_slots, block_s)),)](routing.cu, chunk_first, chunk_group, G,
+                                                                     num_slots, chunk_size, block_s, 128)
+    return routing.row_token, routing.cu, chunk_first, chunk_group, routing.part, routing.pos, S, P
 
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,

@@ -1,0 +1,110 @@
+"""Host time of the SSE training layer, against Qwen3's decoder layer: how long the CPU takes to queue one call.
+
+    python bench/layer_host.py [--lengths 1024 8192] [--out bench/results]
+
+A training step whose host queues kernels more slowly than the GPU runs them is bound by the host (with gradient
+checkpointing every layer's forward is queued twice). Each row times a loop of calls without synchronising, so
+the host's time per call is what is measured while it stays ahead of the GPU ("host us"); "wall us" adds the wait
+for the GPU at the end. Shapes as bench/train_step.py (width 2048, 16 heads of 128, SSE n4k1 + shared), bf16.
+Writes bench/results/layer_host_<date>.json with the device and date.
+"""
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from train_step import SHAPE  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return round(host / calls * 1e6, 1), round(wall / calls * 1e6, 1)
+
+
+def layers(T: int):
+    """(SSE decoder layer, Qwen3 decoder layer, their inputs) of bench/train_step.py's models."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from sse_model import SSEConfig
+    from sse_model.configuration_sse import SSE_LAYER
+    from sse_model.modeling_sse import SSEDecoderLayer
+    sse = SSEDecoderLayer(SSEConfig(**SHAPE, sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True,
+                                    sse_lora_rank=64, layer_types=[SSE_LAYER] * 6), 0)
+    qwen_config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    qwen_config._attn_implementation = "sdpa"
+    qwen = Qwen3DecoderLayer(qwen_config, 0)
+    x = torch.randn(1, T, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    position_ids = torch.arange(T, device="cuda")[None]
+    rope = Qwen3RotaryEmbedding(qwen_config).to("cuda")(x, position_ids)
+    return (sse.to("cuda", torch.bfloat16), lambda h: sse(h)[0],
+            qwen.to("cuda", torch.bfloat16), lambda h: qwen(h, position_embeddings=rope, attention_mask=None,
+                                                            position_ids=position_ids), x)
+
+
+def measure(T: int, calls: int) -> dict:
+    from kernels import sse_attention
+    from kernels.triton.indexed_chunk import index_tables
+    H, C, N = SHAPE["num_attention_heads"], SHAPE["head_dim"], 4
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v, g, q_shared, k_shared = (leaf(1, T, H, C) for _ in range(6))
+    router = leaf(1, T, N)
+    op = dict(top_k=1, q_shared=q_shared, k_shared_logits=k_shared, decay_normalizer=16.0)
+    bounds = torch.tensor([0, T], device="cuda")
+    _, sse_fn, _, qwen_fn, x = layers(T)
+
+    def step(fn, checkpointed):
+        out = checkpoint(fn, x, use_reentrant=False) if checkpointed else fn(x)
+        out.sum().backward()
+
+    rows = {"routing and chunk index (index_tables)": lambda: index_tables(router[0].detach(), bounds, 1, True, 64),
+            "SSE operator forward": lambda: sse_attention(q, k, v, g, router, **op),
+            "SSE operator forward + backward": lambda: sse_attention(q, k, v, g, router, **op)[0].sum().backward()}
+    for checkpointed in (False, True):
+        rows[f"SSE decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
+            lambda c=checkpointed: step(sse_fn, c)
+        rows[f"Qwen3 decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
+            lambda c=checkpointed: step(qwen_fn, c)
+    return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    results = {T: measure(T, args.calls) for T in args.lengths}
+    now = datetime.now(timezone.utc)
+    print(f"Host time per call, {torch.cuda.get_device_name()}, {now:%Y-%m-%d %H:%M} UTC (host us / wall us)")
+    print("| call | " + " | ".join(f"T = {T}" for T in args.lengths) + " |")
+    print("| --- |" + " ---: |" * len(args.lengths))
+    for name in results[args.lengths[0]]:
+        cells = [f"{results[T][name]['host_us']:.0f} / {results[T][name]['wall_us']:.0f}" for T in args.lengths]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                  torch=torch.__version__, shape=SHAPE, results=results)
+    (args.out / f"layer_host_{now:%Y%m%d-%H%M}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
