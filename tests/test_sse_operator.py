@@ -4,6 +4,7 @@ import torch
 
 from conftest import rel_err, sse_inputs
 from kernels import sse_attention, sse_decode
+from kernels.dispatch import pick_implementation
 from kernels.gla import recurrent_gla_reference
 from kernels.sse import softmax_keys
 
@@ -50,6 +51,25 @@ def test_chunked_matches_reference(impl, case, dtype, tol, with_state):
     assert o.dtype == dtype and o.shape == o_ref.shape and s.shape == s_ref.shape
     assert rel_err(o, o_ref) < tol
     assert rel_err(s, s_ref) < tol
+
+
+@pytest.mark.parametrize("top_k,N,want", [(1, 4, "chunk_torch_varlen"), (2, 4, "chunk_torch_varlen"),
+                                           (4, 4, "chunk_torch_mask"), (1, 1, "chunk_torch_mask")])
+def test_cpu_dispatch(top_k, N, want):
+    """On CPU dense updates (K = N) take the mask layout, sparse ones the varlen layout (kernels/dispatch.py)."""
+    assert pick_implementation(torch.device("cpu"), top_k, N) == want
+    assert pick_implementation(torch.device("cpu")) == "chunk_torch_varlen"
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=["k1", "varlen_k1", "k_equals_n"])
+def test_auto_on_cpu_matches_reference(case):
+    """What `impl="auto"` picks on CPU, on either side of the K = N rule, equals the reference (float32)."""
+    name, B, T, N, _, shared, _, _, never = case
+    x = sse_inputs(B, T, H, C, DV, N, shared=shared, seed=hash((name, "auto")) % 2**31, never_route=never)
+    h0 = initial_state_for(case, torch.float64, 7)
+    o_ref, s_ref = run("reference", x, case, initial_state=h0)
+    o, s = run("auto", {k: v.float() for k, v in x.items()}, case, initial_state=h0.float())
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
 
 
 def test_empty_partition_state_is_untouched():
@@ -156,30 +176,36 @@ def test_bad_arguments_are_named(bad, message):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("decays", ["weak", "strong", "mixed", "one head"])
-def test_gla_core_both_score_forms(dtype, tol, decays):
+@pytest.mark.parametrize("layout", ["batch", "varlen"])
+def test_gla_core_both_score_forms(dtype, tol, decays, layout):
     """The chunked GLA core takes the block-relative scores for the (chunk, head) pairs whose in-chunk decay would
     overflow exp(-b), the factorised ones elsewhere ("strong": every token, "mixed": a few sharp decays among weak
-    ones, so blocks see both, "one head": sharp decays in head 0 only); output, final state and gradients must
-    match the recurrence, with no NaN from the strong decay."""
+    ones, so blocks see both, "one head": sharp decays in head 0 only); output, final state and gradients (initial
+    state included) must match the recurrence, with no NaN from the strong decay. Both chunk layouts: a batch of
+    equal rows (a reshape) and packed segments (rows placed by index; a length-1 and an empty segment among them)."""
     from kernels.gla import chunk_gla_torch
     g_ = torch.Generator().manual_seed(21)
-    q = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
-    k = torch.randn(2, 45, 2, 8, generator=g_, dtype=torch.float64)
-    v = torch.randn(2, 45, 2, 4, generator=g_, dtype=torch.float64)
-    g = -0.05 * torch.rand(2, 45, 2, 8, generator=g_, dtype=torch.float64)
+    B, T, cu = (2, 45, None) if layout == "batch" else (1, 90, torch.tensor([0, 1, 1, 40, 90]))
+    segments = B if cu is None else len(cu) - 1
+    q = torch.randn(B, T, 2, 8, generator=g_, dtype=torch.float64)
+    k = torch.randn(B, T, 2, 8, generator=g_, dtype=torch.float64)
+    v = torch.randn(B, T, 2, 4, generator=g_, dtype=torch.float64)
+    g = -0.05 * torch.rand(B, T, 2, 8, generator=g_, dtype=torch.float64)
+    h0 = torch.randn(segments, 2, 8, 4, generator=g_, dtype=torch.float64)
     if decays == "strong":
         g = g * 800
     elif decays == "mixed":
-        g = torch.where(torch.rand(2, 45, 1, 1, generator=g_) < 0.15, g * 2000, g)
+        g = torch.where(torch.rand(B, T, 1, 1, generator=g_) < 0.15, g * 2000, g)
     elif decays == "one head":
-        g[:, :, 0] *= torch.where(torch.rand(2, 45, 1, generator=g_) < 0.15, 2000.0, 1.0)
-    inputs = [x.requires_grad_() for x in (q, k, v, g)]
-    o_ref, s_ref = recurrent_gla_reference(*inputs, output_final_state=True)
+        g[:, :, 0] *= torch.where(torch.rand(B, T, 1, generator=g_) < 0.15, 2000.0, 1.0)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, h0)]
+    o_ref, s_ref = recurrent_gla_reference(*inputs[:4], initial_state=inputs[4], output_final_state=True,
+                                           cu_seqlens=cu)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref)
     ref_grads = torch.autograd.grad((o_ref * w_o).sum() + (s_ref * w_s).sum(), inputs)
     cast = [x.detach().to(dtype).requires_grad_() for x in inputs]
-    o, s = chunk_gla_torch(*cast, output_final_state=True)
+    o, s = chunk_gla_torch(*cast[:4], initial_state=cast[4], output_final_state=True, cu_seqlens=cu)
     grads = torch.autograd.grad((o * w_o.to(dtype)).sum() + (s * w_s.to(dtype)).sum(), cast)
     assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
-    for name, got, want in zip("qkvg", grads, ref_grads):
+    for name, got, want in zip(["q", "k", "v", "g", "initial_state"], grads, ref_grads):
         assert rel_err(got, want) < tol, name

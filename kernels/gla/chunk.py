@@ -6,7 +6,8 @@ sum_k q_tk k_sk exp(b_tk - b_sk). They are computed as a matmul of q exp(b) and 
 overflow (the usual case: decays near 1), and for the (chunk, head) pairs where it could, block by block with
 exponents that are all <= 0 (`_strong_decay_scores`), exact for any decay. Across chunks the state is carried by
 a loop over the chunk position inside a segment, vectorised over all segments, so the loop length is the longest
-segment / C.
+segment / C. No step reads a tensor by advanced indexing: its backward (a zero-filled copy of the whole tensor and
+an accumulating index_put) took most of the CPU op's time.
 """
 import torch
 
@@ -49,14 +50,13 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
     out_dtype = v.dtype
     dtype = torch.promote_types(q.dtype, torch.float32)
     device = q.device
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(B + 1, device=device) * T
-    elif B != 1:
+    packed = cu_seqlens is not None
+    if packed and B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
-    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+    bounds = cu_seqlens.to(device=device, dtype=torch.long) if packed else torch.arange(B + 1, device=device) * T
     L = B * T
     C = chunk_size
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    lens = bounds[1:] - bounds[:-1]
     num_segments = lens.numel()
     # Chunks in (position in segment, segment) order, segments by decreasing chunk count: the segments still running
     # at position j are then a prefix, and their chunks j one contiguous block, so the state loop below slices
@@ -66,17 +66,34 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
     running = (n_chunks[by_count][None] > torch.arange(int(n_chunks.max()) if num_segments else 0,
                                                        device=device)[:, None]).sum(1).tolist()
     NC = sum(running)
-    first_of_position = torch.tensor([0, *running[:-1]], device=device, dtype=torch.long).cumsum(0)
-    # Every token's row in the chunk layout; the rows no token takes (the end of a segment's last chunk) stay zero,
-    # and zero k, v and log-decay leave the state untouched.
-    segment = torch.repeat_interleave(torch.arange(num_segments, device=device), lens, output_size=L)
-    offset = torch.arange(L, device=device) - cu_seqlens[segment]
     rank = torch.argsort(by_count)  # a segment's place in by_count
-    slot = (first_of_position[offset // C] + rank[segment]) * C + offset % C
+    if not packed:
+        # B segments of T tokens: the chunk layout is a reshape of the batch padded to whole chunks (a third of the
+        # mask layout's op time went to placing rows by index before).
+        pad = len(running) * C - T
 
-    def chunked(x):  # [B, T, H, d] -> [NC, H, C, d]
-        x = x.reshape(L, H, -1).to(dtype)
-        return x.new_zeros(NC * C, *x.shape[1:]).index_copy(0, slot, x).view(NC, C, H, -1).transpose(1, 2).contiguous()
+        def chunked(x):  # [B, T, H, d] -> [NC, H, C, d]
+            x = x.to(dtype)
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
+            return x.view(B, -1, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(NC, H, C, -1)
+
+        def unchunked(o):  # [NC, H, C, V] -> [B, T, H, V]
+            return o.view(-1, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, -1, H, V)[:, :T]
+    else:
+        first_of_position = torch.tensor([0, *running[:-1]], device=device, dtype=torch.long).cumsum(0)
+        # Every token's row in the chunk layout; the rows no token takes (the end of a segment's last chunk) stay
+        # zero, and zero k, v and log-decay leave the state untouched.
+        segment = torch.repeat_interleave(torch.arange(num_segments, device=device), lens, output_size=L)
+        offset = torch.arange(L, device=device) - bounds[segment]
+        slot = (first_of_position[offset // C] + rank[segment]) * C + offset % C
+
+        def chunked(x):  # [1, L, H, d] -> [NC, H, C, d]
+            x = x.reshape(L, H, -1).to(dtype)
+            rows = x.new_zeros(NC * C, *x.shape[1:]).index_copy(0, slot, x)
+            return rows.view(NC, C, H, -1).transpose(1, 2).contiguous()
+
+        def unchunked(o):  # [NC, H, C, V] -> [1, L, H, V]
+            return o.transpose(1, 2).reshape(NC * C, H, V).index_select(0, slot).view(B, T, H, V)
 
     qc, kc, vc, gc = chunked(q.to(dtype) * scale), chunked(k), chunked(v), chunked(g)
     b = gc.cumsum(2)
@@ -109,7 +126,7 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
         state = decay * state + update
     if NC:
         o = o + q_decayed @ torch.cat(before)
-    o = o.transpose(1, 2).reshape(NC * C, H, V).index_select(0, slot).view(B, T, H, V)
+    o = unchunked(o)
     final = None
     if output_final_state:  # finished holds the segments that ended before each position, longest last
         final = torch.cat([state, *finished[::-1]]).index_select(0, rank)

@@ -3,8 +3,8 @@
 Partition i's contribution is GLA on the tokens that selected i with inputs (w q, w k, v, log a), so both paths
 only rearrange tensors around a GLA core passed in as `gla` (torch on CPU, a Triton kernel on GPU).
 - varlen: rows regrouped by (segment, partition) in time order with new cu_seqlens; work ~ (K + 1) tokens.
-- mask: every partition sees every token, unselected ones zeroed (q, k and log-decay); work ~ (N + 1) tokens,
-  but plain dense tensors (paper Algorithm 1).
+- mask: every partition sees every token, unselected ones zeroed (q, k and log-decay), partitions folded into the
+  key dimension; work ~ (N + 1) key blocks, but plain dense tensors (paper Algorithm 1). The CPU pick at K = N.
 """
 import torch
 
@@ -90,24 +90,24 @@ def sse_chunk_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=
         q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk)
     P = N + (shared is not None)
     selected = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, index, True)
-    w = (weights * selected).to(q.dtype)[..., None, None]  # [B, T, N, 1, 1]
-    on = selected[..., None, None]
-    parts_q, parts_k = [q[:, :, None] * w], [keys[:, :, None] * w]
-    parts_g = [decay[:, :, None] * on]
+    w = (weights * selected).to(q.dtype)[:, :, None, :, None]  # [B, T, 1, N, 1]
+    on = selected[:, :, None, :, None]
+    parts_q, parts_k = [q[:, :, :, None] * w], [keys[:, :, :, None] * w]
+    parts_g = [decay[:, :, :, None] * on]
     if shared is not None:
         q_s, keys_s, decay_s = shared
-        parts_q.append(q_s[:, :, None]), parts_k.append(keys_s[:, :, None]), parts_g.append(decay_s[:, :, None])
+        parts_q.append(q_s[:, :, :, None]), parts_k.append(keys_s[:, :, :, None])
+        parts_g.append(decay_s[:, :, :, None])
 
-    def fold(parts):  # partition-major heads
-        return torch.cat(parts, 2).reshape(B, T, P * H, -1)
+    # Partitions folded into the key dimension (P * c rows per head, partition-major): GLA decays every key row by
+    # its own log-decay, so each partition's rows form its own state, and o = q' S sums the partitions' outputs.
+    # One C x C score matrix per head and chunk instead of one per partition, and v is not repeated.
+    def fold(parts):
+        return torch.cat(parts, 3).reshape(B, T, H, P * c)
 
-    v_all = v.to(q.dtype)[:, :, None].expand(B, T, P, H, dv).reshape(B, T, P * H, dv)
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.transpose(1, 2).reshape(-1, P * H, c, dv)
-    o, final = gla(fold(parts_q), fold(parts_k), v_all, fold(parts_g), scale=scale, initial_state=h0,
+    h0 = None if initial_state is None else initial_state.reshape(-1, H, P * c, dv)
+    o, final = gla(fold(parts_q), fold(parts_k), v.to(q.dtype), fold(parts_g), scale=scale, initial_state=h0,
                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    o = o.reshape(B, T, P, H, dv).sum(2)
     if final is not None:
-        final = final.reshape(-1, P, H, c, dv).transpose(1, 2)
+        final = final.reshape(-1, H, P, c, dv)
     return o.to(v.dtype), final
