@@ -131,8 +131,8 @@ def evaluate_lm(model, tokenizer, rows: list[dict], device="cpu", batch=64) -> d
 
 
 def train_source(args) -> dict:
-    """The tiny Transformer: a Qwen3 trained on MQAR conversations (loss on every token), saved with its tokenizer
-    to `args.out` (its accuracy log beside it)."""
+    """The tiny Transformer: a Qwen3 trained on MQAR conversations (loss on every token, or with --answer-only on
+    the assistant turn), saved with its tokenizer to `args.out` (its accuracy log beside it)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     torch.manual_seed(args.seed)
@@ -151,7 +151,7 @@ def train_source(args) -> dict:
         for group in optimizer.param_groups:  # linear warmup, cosine decay
             group["lr"] = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         start = (step * args.batch) % (len(examples) - args.batch)
-        ids, mask, labels = padded(examples[start:start + args.batch], tokenizer.pad_token_id, answer_only=False)
+        ids, mask, labels = padded(examples[start:start + args.batch], tokenizer.pad_token_id, args.answer_only)
         loss = model(input_ids=ids.to(args.device), attention_mask=mask.long().to(args.device),
                      labels=labels.to(args.device)).loss
         loss.backward()
@@ -170,6 +170,7 @@ def train_source(args) -> dict:
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     summary = {"device": args.device, "steps": args.steps, "batch": args.batch, "lr": args.lr,
+               "answer_only": args.answer_only,
                "examples": args.examples, "seconds": round(time.time() - started, 1),
                "parameters": sum(p.numel() for p in model.parameters()), "log": log}
     (out.parent / "source.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -334,6 +335,8 @@ def main(argv=None):
     s.add_argument("--examples", type=int, default=100_000)
     s.add_argument("--eval-every", type=int, default=500)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--answer-only", action="store_true",
+                   help="loss on the answer only, as Zoology's MQAR (trained on every token the source never bound)")
     s.add_argument("--out", default=str(SOURCE))
     s.add_argument("--tar", default=None, help="also pack the source's folder into this .tar.gz")
     r = sub.add_parser("run", help="the pipeline runs of the arms")
