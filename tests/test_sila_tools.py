@@ -196,10 +196,14 @@ def test_alignment_reduces_heldout_error_and_leaves_other_layers(source, tmp_pat
     assert differ and all(".linear_attn." in k for k in differ)
 
 
-def test_measurement_config_matches_the_bench_task():
-    """configs/sila_mqar.yaml trains and evaluates on the MQAR task bench/sila_tools.py trains its source on."""
-    from bench.sila_tools import CONFIG, MQAR
+def test_measurement_config_is_the_recall_recipe_on_a_converted_model():
+    """configs/sila_mqar.yaml trains and evaluates on the recall comparison's MQAR (the task bench/sila_tools.py
+    trains its source on), on other SFT rows than the source's, from the converted source."""
+    from bench.sila_tools import CONFIG, task
 
+    recipe = load_config("configs/mqar_sse_h.yaml")
     cfg = load_config(CONFIG, ["sft.token_weights={}", "convert.align_steps=200"])
-    assert cfg.data.sft.generator.options == MQAR and cfg.data.eval[0].generator.options == MQAR
+    assert task() == recipe.data.sft.generator.options == cfg.data.eval[0].generator.options
+    assert cfg.data.eval == recipe.data.eval and cfg.data.sft.generator.seed != recipe.data.sft.generator.seed
+    assert cfg.model.init == "convert" and cfg.stages == ["convert", "sft", "eval"]
     assert cfg.sft.token_weights.reference is None and cfg.convert.align_steps == 200
