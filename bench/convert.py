@@ -254,14 +254,10 @@ def markdown(report: dict) -> str:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import transformers
-    cores = f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} cores usable"
-    return dict(host=platform.node(), cpu=f"{cpu}, {cores}", threads=torch.get_num_threads(),
+
+    from bench.machine import cpu_name
+    return dict(host=platform.node(), cpu=cpu_name(), threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__,
                 load_before=round(os.getloadavg()[0], 1))
 

@@ -15,7 +15,6 @@ both models' answers together).
 import argparse
 import datetime
 import json
-import platform
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_name  # noqa: E402
 from eval.metrics import paired_change  # noqa: E402
 
 # (label, run name) in the order of the plot's legend and the table.
@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
     if not runs:
         raise SystemExit(f"no runs of configs/mqar_*.yaml under {args.runs}")
     diffs = differences(runs)
-    meta = {"date": args.tag, "machine": f"{platform.machine()}, {platform.processor() or platform.system()}"}
+    meta = {"date": args.tag, "machine": cpu_name()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"mqar_compare_{args.tag}"

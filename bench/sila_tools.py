@@ -27,7 +27,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cpu_name  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from tasks.loaders import code_text, code_token_ids  # noqa: E402
 from tasks.retrieval import answer_labels, generate_task  # noqa: E402
@@ -223,8 +223,7 @@ def report(args) -> dict:
     heldout = generate_task("mqar", rows.num_examples, rows.seed, "test", rows.options)
     source = Path(args.source)
     src = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    result = {"date": args.tag, "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "
-              f"{os.cpu_count()} cores", "torch_threads": torch.get_num_threads(),
+    result = {"date": args.tag, "machine": cpu_name(), "torch_threads": torch.get_num_threads(),
               "source": {**json.loads((source.parent / "source.json").read_text()),
                          **evaluate_lm(src, AutoTokenizer.from_pretrained(source), heldout)},
               "arms": {}, "differences": []}

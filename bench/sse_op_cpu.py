@@ -7,7 +7,6 @@ bench/results/sse_cpu_<date>.json with the machine and date.
 """
 import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import sse_attention
+from bench.machine import cpu_name  # noqa: E402
+from kernels import sse_attention  # noqa: E402
 
 SIZES = [  # (B, T, H, c=d_v, N, K)
     (4, 256, 4, 32, 4, 1),
@@ -67,7 +67,7 @@ def main():
             row[impl] = round(time_fwd_bwd(impl, x, K, repeats=1 if impl == "reference" else 5), 1)
         rows.append(row)
         print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    result = dict(device=f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+    result = dict(device=f"CPU {cpu_name()}, {torch.get_num_threads()} threads",
                   date=datetime.date.today().isoformat(), torch=torch.__version__, unit="ms fwd+bwd (median)",
                   rows=rows)
     out = Path("bench/results") / f"sse_cpu_{result['date']}.json"
