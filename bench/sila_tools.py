@@ -8,9 +8,9 @@ here on MQAR until it recalls, converted to SSE-H, then SFT through the pipeline
 The task is configs/sila_mqar.yaml's: the recall comparison's MQAR in Zoology's format (256 codes, 4 to 32 pairs,
 every key queried, each value a label only; configs/mqar_sse_h.yaml). The source is a Qwen3 of the comparison's
 Transformer shape (2 layers, hidden 128, 4 heads of 32, MLP 417) with the tokenizer the pipeline trains for these
-rows (one token per code), trained with the loss on the answers only, as the pipeline's SFT: on this format a
-Transformer of this size binds keys to values after 1000-1750 steps (docs/retrieval.md), where on the earlier
-prose format (a chat prompt and a `\boxed{}` answer; bench/results/sila_tools_2026-11-24.md) it only ever copied.
+rows (one token per code), trained with the loss on the answers only, as the pipeline's SFT: on this format it
+binds keys to values by step 750 of its 3000 (docs/retrieval.md), where on the earlier prose format (a chat prompt
+and a `\boxed{}` answer; bench/results/sila_tools_2026-11-24.md) a Transformer of this size only ever copied.
 
 Arms (each `sse-rl run configs/sila_mqar.yaml --set ...`: convert, SFT, eval of the converted and the SFT model):
   baseline      conversion with the default calibration, plain SFT
