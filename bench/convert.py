@@ -41,6 +41,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name  # noqa: E402
 from sse_model import convert as conv  # importing sse_model registers sse_hybrid with the Auto classes
 from sse_model.configuration_sse import SSE_LAYER
 
@@ -255,8 +256,6 @@ def markdown(report: dict) -> str:
 
 def machine_info() -> dict:
     import transformers
-
-    from bench.machine import cpu_name
     return dict(host=platform.node(), cpu=cpu_name(), threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__,
                 load_before=round(os.getloadavg()[0], 1))

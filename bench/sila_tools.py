@@ -47,6 +47,9 @@ from tasks.tokenizer import train_tokenizer  # noqa: E402
 
 CONFIG = ROOT / "configs" / "sila_mqar.yaml"
 SOURCE = ROOT / "runs" / "sila-source" / "model"
+TRANSFORMER = ROOT / "configs" / "mqar_transformer.yaml"
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "tie_word_embeddings")
 ARMS = {
     "baseline": [],
     "weights": ["sft.token_weights={}"],
@@ -110,12 +113,14 @@ def train_source(args) -> dict:
     options = task()
     train = generate_task("mqar", args.steps * args.batch, args.seed, "train", options)
     heldout = generate_task("mqar", 400, args.seed + 1, "test", options)
-    # The tokenizer the pipeline's init stage trains on these rows (model.tokenizer of mqar_sse_h.yaml).
-    tokenizer = train_tokenizer((code_text(r["problem"]) for r in train[:51_200]), vocab_size=1024,
-                                model_max_length=512)
+    # The comparison's Transformer: its shape, and the tokenizer its init stage trains on its SFT rows.
+    recipe = load_config(TRANSFORMER)
+    shape = {k: recipe.model.config[k] for k in SHAPE_KEYS}
+    tokenizer = train_tokenizer((code_text(r["problem"]) for r in train[:recipe.data.sft.generator.num_examples]),
+                                vocab_size=recipe.model.tokenizer.vocab_size,
+                                model_max_length=shape["max_position_embeddings"])
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=417, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        vocab_size=len(tokenizer), **shape,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = AutoModelForCausalLM.from_config(config).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
