@@ -2,8 +2,9 @@
 # configs/gpu_small.yaml's init -> sft -> grpo data-parallel on two GPUs of one node (Ray Train over NCCL, each rank
 # its own colocated vLLM engine) and then on one GPU of the same node, with the same global batches (SFT 32
 # examples, GRPO 32 prompts x 8), so step times compare directly (issue 15, docs/pipeline.md "On a GPU").
-# The two-GPU run kills one Ray Train worker inside GRPO step 7 (save_steps 5): the stage must resume from
-# checkpoint-5 and end at step 12.
+# The two-GPU run kills one Ray Train worker inside GRPO step 4 (save_steps 3): the stage must resume from
+# checkpoint-3 and end at step 10. A third run, SFT only on two GPUs, has DDP skip its search for unused parameters
+# (transformers turns it on for any model without gradient checkpointing).
 #
 #   bench/gpu_small_data_parallel.sh OUT_DIR [WHEELHOUSE_PART...]   # on the GPU node; parts: install first
 #
@@ -16,13 +17,10 @@ if [ $# -gt 0 ]; then "$repo/scripts/gpu-offline-install.sh" "$@" || exit 1; fi
 source /tmp/site/sse-rl.env
 # NVLink multicast stays off (shared hosts: KINDS.md); every process of the run inherits these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
-# Stacks of every process each 60 s (what a hang is doing), from bench/site.
-export PYTHONPATH=$repo/bench/site:$PYTHONPATH SSE_BENCH_STACKS_EVERY_S=60 SSE_BENCH_STACKS_DIR=/tmp/stacks
-mkdir -p /tmp/stacks
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-common=(--set "stages=[init, sft, grpo]" --set data.sft.generator.num_examples=6400 --set grpo.steps=12
-        --set grpo.save_steps=5 --set sft.save_steps=100 --set output_dir=/tmp/runs)
+common=(--set "stages=[init, sft, grpo]" --set data.sft.generator.num_examples=3200 --set grpo.steps=10
+        --set grpo.save_steps=3 --set sft.save_steps=100 --set output_dir=/tmp/runs)
 two=(--set name=gpu-small-2gpu --set resources.sft.num_workers=2 --set sft.per_device_batch_size=16
      --set resources.grpo.num_workers=2 --set grpo.per_device_batch_size=32)
 
@@ -33,14 +31,15 @@ run() {  # NAME SECONDS SKIP ARGS...: one pipeline run under a time limit, its f
     > "$out/console-$name.txt" 2>&1
   echo "== $name: exit $? after $((SECONDS - started)) s"; tail -25 "$out/console-$name.txt"
   local dir=/tmp/runs/gpu-small-$name
-  python3 "$repo/bench/grpo_phases.py" "$dir" --skip $skip && cp "$dir/grpo_phases.md" "$out/grpo_phases-$name.md"
+  [ -n "$skip" ] && python3 "$repo/bench/grpo_phases.py" "$dir" --skip $skip \
+    && cp "$dir/grpo_phases.md" "$out/grpo_phases-$name.md"
   tar czf "$out/run-$name.tgz" -C /tmp/runs --exclude "checkpoint-*" --exclude "model" --exclude "final" \
     --exclude "*.safetensors" "gpu-small-$name"
 }
 
 cd "$repo"
-export SSE_RL_FAULTS=grpo.step@7:kill
-run 2gpu 330 "1 6" "${two[@]}"
-unset SSE_RL_FAULTS
-run 1gpu 200 1 --set name=gpu-small-1gpu
-tar czf "$out/stacks.tgz" -C /tmp stacks
+run 1gpu 190 1 --set name=gpu-small-1gpu
+run 2gpu-sft 70 "" "${two[@]}" --set name=gpu-small-2gpu-sft --set "stages=[init, sft]" \
+  --set sft.ddp_find_unused_parameters=false
+export SSE_RL_FAULTS=grpo.step@4:kill
+run 2gpu 310 "1 4" "${two[@]}"
