@@ -103,7 +103,8 @@ class SSEAttention(nn.Module):
             self.q_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, *, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    def forward(self, x, *, position_embeddings, attention_mask, past_key_values=None, sequence_bounds=None,
+                **kwargs):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -117,9 +118,30 @@ class SSEAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
-        o, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling,
-                                   dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        dropout = self.attention_dropout if self.training else 0.0
+        if sequence_bounds is not None:  # packed rows under SDPA (attends_per_sequence)
+            o = self._per_sequence(attention_interface, q, k, v, sequence_bounds, dropout)
+        else:
+            o, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout, **kwargs)
         return self.o_proj(o.reshape(B, T, -1))
+
+    def _per_sequence(self, attention_interface, q, k, v, cu_seqlens, dropout):
+        """Causal attention within each sequence of a packed row: the sequences right-padded into a batch of their
+        own, which causal attention needs no mask for (a real query never reaches the padding after it). Costs
+        sum-of-lengths x longest instead of the packed row's length squared (14x less on the MQAR SFT rows)."""
+        L = q.shape[2]
+        lengths = cu_seqlens.diff()
+        S, longest = lengths.numel(), int(lengths.max())
+        sequence = torch.repeat_interleave(torch.arange(S, device=q.device), lengths, output_size=L)
+        slot = sequence * longest + torch.arange(L, device=q.device) - cu_seqlens[sequence]
+
+        def padded(x):  # [1, heads, L, d] -> [S, heads, longest, d]
+            rows = x[0].transpose(0, 1)
+            rows = rows.new_zeros(S * longest, *rows.shape[1:]).index_copy(0, slot, rows)
+            return rows.view(S, longest, *rows.shape[1:]).transpose(1, 2)
+
+        o, _ = attention_interface(self, padded(q), padded(k), padded(v), None, scaling=self.scaling, dropout=dropout)
+        return o.reshape(S * longest, *o.shape[2:]).index_select(0, slot)[None]  # [1, L, heads, d]
 
 
 class SSELayer(nn.Module):
@@ -273,6 +295,14 @@ def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tens
     return N * (usage * mean_prob).sum(), usage.detach()
 
 
+def attends_per_sequence(config, cu_seqlens, token_mask) -> bool:
+    """Packed rows with nothing padded, under SDPA, go to `SSEAttention._per_sequence` instead of through the
+    [L, L] document mask that create_causal_mask would build for them (SDPA computes every masked pair too). Flash
+    attention reads packed rows from the position ids and flex attention gets a block mask: those keep the
+    library's path."""
+    return cu_seqlens is not None and token_mask is None and config._attn_implementation == "sdpa"
+
+
 def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
     """cu_seqlens of sequences packed into one row (position ids restarting at 0, as TRL's padding-free
     collator makes), or None when the row holds one sequence."""
@@ -368,9 +398,13 @@ class SSEModel(SSEPreTrainedModel):
             # create_causal_mask looks for packed rows only when given neither a 2D mask nor a cache, so it gets
             # the mask only when something is padded and the cache only once it holds tokens: the choices the SSE
             # layers make too (token_mask, cu_seqlens).
-            layer_kwargs["attention_mask"] = create_causal_mask(
-                config=self.config, inputs_embeds=x, attention_mask=token_mask,
-                past_key_values=past_key_values if past_len else None, position_ids=position_ids if packable else None)
+            if attends_per_sequence(self.config, cu_seqlens, token_mask):
+                layer_kwargs.update(attention_mask=None, sequence_bounds=cu_seqlens)
+            else:
+                layer_kwargs["attention_mask"] = create_causal_mask(
+                    config=self.config, inputs_embeds=x, attention_mask=token_mask,
+                    past_key_values=past_key_values if past_len else None,
+                    position_ids=position_ids if packable else None)
         router_logits = []
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

@@ -11,7 +11,7 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conftest import rel_err
-from sse_model import SSEConfig, SSEForCausalLM
+from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 
 HYBRID = [SSE_LAYER, ATTENTION_LAYER, SSE_LAYER]
@@ -158,6 +158,26 @@ def test_packed_sequences_do_not_leak(name):
     # a mask with nothing padded changes nothing, in the attention layers as in the SSE layers
     with_mask = model(packed, attention_mask=torch.ones_like(packed), position_ids=positions).logits[0]
     assert torch.equal(with_mask, logits)
+
+
+@pytest.mark.parametrize("name", ["sse_n4k2", "transformer"])
+def test_packed_row_gradients_match_the_document_mask(name, monkeypatch):
+    """A packed row under SDPA attends within each sequence by padding the sequences into a batch of their own
+    (`attends_per_sequence`): its loss and gradients are those of the dense document mask it replaces."""
+    lengths = (7, 1, 10, 3)
+    ids = torch.randint(1, 97, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+
+    def loss_and_grads(model):
+        loss = model(ids, position_ids=positions, labels=ids).loss
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    per_sequence = loss_and_grads(model_for(name).train())
+    monkeypatch.setattr(modeling_sse, "attends_per_sequence", lambda *args: False)  # back to the [L, L] mask
+    document_mask = loss_and_grads(model_for(name).train())
+    assert rel_err(per_sequence[0], document_mask[0]) < 1e-5
+    assert rel_err(per_sequence[1], document_mask[1]) < 1e-5
 
 
 @pytest.mark.parametrize("name", list(BASELINES))
