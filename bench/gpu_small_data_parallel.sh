@@ -7,7 +7,7 @@
 #
 #   bench/gpu_small_data_parallel.sh OUT_DIR RUNS [WHEELHOUSE_PART...]   # on the GPU node; parts: install first
 #
-# RUNS: "2gpu 1gpu", or one of them per call. On a fresh node the two-GPU run needs about 7 minutes (Ray start
+# RUNS: "2gpu 1gpu" (and "2gpu-sft", below), or one of them per call. On a fresh node the two-GPU run needs about 7 minutes (Ray start
 # ~30 s, SFT's first compilation ~30 s, each GRPO engine start 100-140 s, the restart after the kill another), so
 # give each run a call of its own on the same machine (the next call within its 30 s of warmth: the 1-GPU run then
 # finds the compiled kernels). TWO_GPU_LIMIT / ONE_GPU_LIMIT: seconds per run (default 540 / 300).
@@ -48,6 +48,10 @@ for which in $runs; do
   case $which in
     2gpu) SSE_RL_FAULTS=grpo.step@3:kill run 2gpu "${TWO_GPU_LIMIT:-540}" "1 3" "${two[@]}" ;;
     1gpu) run 1gpu "${ONE_GPU_LIMIT:-300}" 1 --set name=gpu-small-1gpu ;;
-    *) echo "unknown run $which (2gpu, 1gpu)"; exit 2 ;;
+    # SFT alone on two GPUs with DDP's unused-parameter search off (transformers turns it on for a model without
+    # gradient checkpointing): is the search what makes two GPUs slower than one at this size?
+    2gpu-sft) run 2gpu-sft "${TWO_GPU_LIMIT:-540}" "" "${two[@]}" --set name=gpu-small-2gpu-sft \
+                --set "stages=[init, sft]" --set sft.ddp_find_unused_parameters=false ;;
+    *) echo "unknown run $which (2gpu, 1gpu, 2gpu-sft)"; exit 2 ;;
   esac
 done
