@@ -103,7 +103,7 @@ class SSEAttention(nn.Module):
             self.q_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = SSERMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, *, position_embeddings, attention_mask, past_key_values=None, sequence_bounds=None,
+    def forward(self, x, *, position_embeddings, attention_mask, past_key_values=None, sequence_slots=None,
                 **kwargs):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -119,21 +119,17 @@ class SSEAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         dropout = self.attention_dropout if self.training else 0.0
-        if sequence_bounds is not None:  # packed rows under SDPA (attends_per_sequence)
-            o = self._per_sequence(attention_interface, q, k, v, sequence_bounds, dropout)
+        if sequence_slots is not None:  # packed rows under SDPA (attends_per_sequence)
+            o = self._per_sequence(attention_interface, q, k, v, sequence_slots, dropout)
         else:
             o, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout, **kwargs)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def _per_sequence(self, attention_interface, q, k, v, cu_seqlens, dropout):
+    def _per_sequence(self, attention_interface, q, k, v, sequence_slots, dropout):
         """Causal attention within each sequence of a packed row: the sequences right-padded into a batch of their
         own, which causal attention needs no mask for (a real query never reaches the padding after it). Costs
-        sum-of-lengths x longest instead of the packed row's length squared (14x less on the MQAR SFT rows)."""
-        L = q.shape[2]
-        lengths = cu_seqlens.diff()
-        S, longest = lengths.numel(), int(lengths.max())
-        sequence = torch.repeat_interleave(torch.arange(S, device=q.device), lengths, output_size=L)
-        slot = sequence * longest + torch.arange(L, device=q.device) - cu_seqlens[sequence]
+        sequences x longest squared instead of the packed row's length squared (14x less on the MQAR SFT rows)."""
+        slot, S, longest = sequence_slots
 
         def padded(x):  # [1, heads, L, d] -> [S, heads, longest, d]
             rows = x[0].transpose(0, 1)
@@ -303,6 +299,16 @@ def attends_per_sequence(config, cu_seqlens, token_mask) -> bool:
     return cu_seqlens is not None and token_mask is None and config._attn_implementation == "sdpa"
 
 
+def packed_row_slots(cu_seqlens: torch.Tensor, L: int) -> tuple[torch.Tensor, int, int]:
+    """Where each of a packed row's L tokens goes when its sequences are right-padded into a batch of their own:
+    (row of the [sequences * longest] layout per token, number of sequences, longest), once per forward for every
+    attention layer."""
+    lengths = cu_seqlens.diff()
+    S, longest = lengths.numel(), int(lengths.max())
+    sequence = torch.repeat_interleave(torch.arange(S, device=cu_seqlens.device), lengths, output_size=L)
+    return sequence * longest + torch.arange(L, device=cu_seqlens.device) - cu_seqlens[sequence], S, longest
+
+
 def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
     """cu_seqlens of sequences packed into one row (position ids restarting at 0, as TRL's padding-free
     collator makes), or None when the row holds one sequence."""
@@ -399,7 +405,7 @@ class SSEModel(SSEPreTrainedModel):
             # the mask only when something is padded and the cache only once it holds tokens: the choices the SSE
             # layers make too (token_mask, cu_seqlens).
             if attends_per_sequence(self.config, cu_seqlens, token_mask):
-                layer_kwargs.update(attention_mask=None, sequence_bounds=cu_seqlens)
+                layer_kwargs.update(attention_mask=None, sequence_slots=packed_row_slots(cu_seqlens, T))
             else:
                 layer_kwargs["attention_mask"] = create_causal_mask(
                     config=self.config, inputs_embeds=x, attention_mask=token_mask,
