@@ -7,10 +7,10 @@
 #
 #   bench/gpu_small_data_parallel.sh OUT_DIR RUNS [WHEELHOUSE_PART...]   # on the GPU node; parts: install first
 #
-# RUNS: "2gpu 1gpu" (and "2gpu-sft", below), or one of them per call. On a fresh node the two-GPU run needs about 7 minutes (Ray start
-# ~30 s, SFT's first compilation ~30 s, each GRPO engine start 100-140 s, the restart after the kill another), so
-# give each run a call of its own on the same machine (the next call within its 30 s of warmth: the 1-GPU run then
-# finds the compiled kernels). TWO_GPU_LIMIT / ONE_GPU_LIMIT: seconds per run (default 540 / 300).
+# RUNS: "2gpu 1gpu" (and "2gpu-sft", below), or one of them per call. On a fresh node the two-GPU run needs about
+# 7 minutes (Ray start ~30 s, SFT's first compilation ~30 s, each GRPO engine start 100-140 s, the restart after the
+# kill another), so give each run a call of its own on the same machine (the next call within its 30 s of warmth:
+# the 1-GPU run then finds the compiled kernels). TWO_GPU_LIMIT / ONE_GPU_LIMIT: seconds per run (default 540 / 300).
 #
 # OUT_DIR gets each run's console, metrics, manifest and report (tarred) and the GRPO phase tables.
 set -uo pipefail
