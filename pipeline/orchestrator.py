@@ -114,6 +114,7 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
     res = getattr(cfg.resources, stage)
     result_file = run_dir.stage_dir(stage) / "result.json"
     result_file.unlink(missing_ok=True)
+    started = time.time()
     job = dict(stage=stage, config=resolve(cfg), run_path=str(run_dir.path.resolve()), model_path=model_path)
     if stage in TRAINING_STAGES:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -132,7 +133,9 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
         ray.get(task(execute_stage).remote(**job))
     if not result_file.exists():
         raise StageFailed(f"stage {stage} ended without a result ({result_file} missing)")
-    return json.loads(result_file.read_text())
+    # The worker's own `seconds` covers its attempt only; after Ray Train restarted a worker group the stage took
+    # longer (every attempt, engine starts included), and that is what the manifest and the console report.
+    return {**json.loads(result_file.read_text()), "seconds": round(time.time() - started, 1)}
 
 
 def gpus_per_worker(res) -> float:

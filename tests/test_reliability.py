@@ -226,6 +226,9 @@ def test_killed_and_resumed_run_ends_bit_identical(tmp_path, tag):
     assert (run / "faults" / "grpo.step@3").exists()
     assert resumed_from(log, "grpo") == ["checkpoint-1", "checkpoint-2"], log[-4000:]
     assert resumed_from(log, "sft") == [] and "[sft] already done, skipped" in log
+    # The stage's time spans both of this driver's attempts, not only the last one's.
+    grpo_seconds = json.loads((run / "manifest.json").read_text())["stages"]["grpo"]["seconds"]
+    assert grpo_seconds > json.loads((run / "grpo" / "result.json").read_text())["seconds"] + 1
 
     assert states(run) == states(reference) == {"init": "done", "sft": "done", "grpo": "done"}
     for stage, steps in (("sft", 6), ("grpo", 3)):
