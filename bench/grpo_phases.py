@@ -1,5 +1,6 @@
-"""Where a GRPO step's time goes, from a run's metrics: rollout, scoring, update and weight push per step, with
-rollout tokens/s, GPU memory, the parity probe and the sampler-vs-trainer KL (docs/pipeline.md, "On a GPU").
+"""Where a GRPO step's time goes, from a run's metrics: rollout, scoring (and on several ranks the wait for the
+others), update and weight push per step, with rollout tokens/s, GPU memory, the parity probe and the
+sampler-vs-trainer KL (docs/pipeline.md, "On a GPU").
 
     python bench/grpo_phases.py RUN_DIR [--skip 1 6]     # --skip: steps left out of the medians (engine start,
                                                          # the first step after a resume)
@@ -14,6 +15,7 @@ COLUMNS = {  # metrics.jsonl key -> column
     "step_time": "step s",
     "time/rollout_s": "rollout s",
     "time/scoring_s": "scoring s",
+    "time/rank_wait_s": "rank wait s",  # several ranks: rank 0's wait for the others' rollouts
     "time/update_s": "update s",
     "time/weight_push_s": "push s",
     "rollout_tokens_per_s": "rollout tokens/s",

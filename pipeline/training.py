@@ -74,9 +74,10 @@ def gpu_memory() -> dict:
 
 
 def update_time(logs: dict) -> dict:
-    """GRPO: the part of TRL's `step_time` (the step's training_step calls) left after the rollout, the scoring and
-    the weight push: the policy's forward and backward passes, TRL's log-probability passes included."""
-    phases = ("time/rollout_s", "time/scoring_s", "time/weight_push_s")
+    """GRPO: the part of TRL's `step_time` (the step's training_step calls) left after the rollout, the scoring, the
+    wait for the other ranks before it and the weight push: the policy's forward and backward passes, TRL's
+    log-probability passes included (and on several ranks, DDP's gradient all-reduce)."""
+    phases = ("time/rollout_s", "time/scoring_s", "time/weight_push_s", "time/rank_wait_s")
     if "step_time" not in logs or not all(p in logs for p in phases[:2]):
         return {}
     return {"time/update_s": logs["step_time"] - sum(logs.get(p, 0.0) for p in phases)}

@@ -19,7 +19,8 @@ Seams (stage in brackets), and what each relies on:
 - `OwnRolloutEngineMixin` [grpo]: `GRPOTrainer` builds its `VLLMGeneration` in `__init__` only when
   `args.use_vllm`, and at generation reads `self.use_vllm`, `self.vllm_generation` and `self._last_loaded_step`;
   its sampling attributes (`temperature`, `top_p`, ...); it scores a generation batch with one
-  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` call (timed as `time/scoring_s`);
+  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` call on every rank (timed as
+  `time/scoring_s`; on several ranks the wait for the others before it as `time/rank_wait_s`);
   `_generate_and_score_completions(inputs)` returns `completion_mask`, and with vLLM importance sampling on
   `old_per_token_logps` (the trainer's) and `sampling_per_token_logps` (vLLM's) for the sampled tokens (their
   KL, `sampling/kl_rollout_trainer`, computed by `rollout_kl`).
@@ -204,6 +205,12 @@ class OwnRolloutEngineMixin:
         mark_weights_loaded(self, -1)  # TRL's tag: the first rollout pushes the weights
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # On several ranks TRL's scoring ends in a gather, where a rank that finished its rollout first waits for
+        # the others: a barrier before it times that wait apart, so `time/scoring_s` is the rewards' own time.
+        if self.accelerator.num_processes > 1:
+            started = time.perf_counter()
+            self.accelerator.wait_for_everyone()
+            log_train_metric(self, "time/rank_wait_s", time.perf_counter() - started)
         started = time.perf_counter()
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         log_train_metric(self, "time/scoring_s", time.perf_counter() - started)

@@ -116,6 +116,8 @@ def test_sft_and_grpo_on_two_ray_train_workers(tmp_path):
             if m["stage"] == "grpo" and "reward" in m]
     assert [m["step"] for m in grpo] == [1, 2, 3]
     assert all(m["vllm_parity"] < 0.05 and m["sampling/sampling_logp_difference/max"] < 0.05 for m in grpo)
+    # rank 0's wait for the other rank's rollout is timed apart from its scoring and left out of the update
+    assert all(m["time/rank_wait_s"] >= 0 and m["time/scoring_s"] > 0 and m["time/update_s"] > 0 for m in grpo), grpo
 
 
 CLEANER_CHECK = """
