@@ -115,7 +115,8 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--models", nargs="+", choices=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex"],
-                   default=["SSE-H", "all-attention", "Qwen3"], help="an A/B of two trees may time SSE-H alone")
+                   default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex"],
+                   help="an A/B of two trees may time SSE-H alone")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
     args = p.parse_args(argv)
