@@ -170,7 +170,9 @@ def plot(runs: dict, path: Path, title: str, values: int | None = None) -> None:
         ax.axhline(100 / values, color="grey", linestyle="--", linewidth=1, label=f"chance (1/{values} values)")
     ax.plot(pairs, [100 * copying_level(p) for p in pairs], color="grey", linestyle=":", linewidth=1,
             label="copying: any value of the context")
-    ax.set_xticks(pairs)
+    ax.set_xscale("log", base=2)  # the pairs double from entry to entry (4 to 32, or to 256 at Zoology's lengths)
+    ax.set_xticks(pairs, [str(p) for p in pairs])
+    ax.minorticks_off()
     ax.set_xlabel("key-value pairs in the context")
     ax.set_ylabel("query accuracy, % (95 % CI)")
     ax.set_ylim(-2, 102)
