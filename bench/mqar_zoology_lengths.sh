@@ -6,6 +6,7 @@
 # large enough for every code to be one token, positions for 1024 codes. docs/retrieval.md, "Zoology's lengths".
 #
 #   bench/mqar_zoology_lengths.sh [OUTPUT_DIR] [MODELS...]      # default runs/zoology-lengths, all five
+#   SFT_EPOCHS=3 bench/mqar_zoology_lengths.sh runs/zoology-lengths-3ep sse_h   # a longer schedule (default 1)
 #   python bench/mqar_compare.py --runs runs/zoology-lengths --values 1024 --tag DATE-zoology-lengths
 set -euo pipefail
 out=${1:-runs/zoology-lengths}; shift || true
@@ -17,7 +18,7 @@ test="{format: zoology, vocab_size: 2048, mix: $mix, {context_length: 512, num_p
        {context_length: 1024, num_pairs: 256}]}"
 cd "$(dirname "$0")/.."
 for model in $models; do
-  .venv/bin/sse-rl run "configs/mqar_$model.yaml" --set "output_dir=$out" \
+  .venv/bin/sse-rl run "configs/mqar_$model.yaml" --set "output_dir=$out" --set "sft.epochs=${SFT_EPOCHS:-1}" \
     --set model.tokenizer.vocab_size=4096 --set model.config.max_position_embeddings=1536 \
     --set "data.sft.generator.options=$train" \
     --set "data.eval=[{source: generator, name: mqar-zoology, split: test,
