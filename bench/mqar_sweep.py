@@ -17,7 +17,10 @@ says `train_sampling_strategy: group_by_length`), epoch after epoch, scored on i
 format from 2026-11-25 on, 4-32 pairs), each code one token id, the vocabulary the codes plus a pad id: the CPU
 comparison's recipe, with more seeds than the CPU allows.
 
-`run` (one run, what `all` starts per spec) takes the same fields; key=value: lr, wd, bs, fmt, config or an
+`sets=FILE` applies a file of the pipeline's `--set` overrides to that config, one per line: `config=...,
+sets=bench/mqar_zoology_lengths.sets` is the comparison at Zoology's lengths (bench/mqar_zoology_lengths.sh).
+
+`run` (one run, what `all` starts per spec) takes the same fields; key=value: lr, wd, bs, fmt, config, sets or an
 SSEConfig field. The SSE layers use the torch chunked path (the CPU's), so the math is the pipeline's on CPU.
 """
 import json
@@ -37,6 +40,9 @@ VARIANTS = {
     "gla": dict(sse_num_partitions=1, sse_shared_partition=False, intermediate_size=390),
     "sse_h": {},
     "sse": dict(layer_types=["linear_attention", "linear_attention"], intermediate_size=352),
+    # Every layer GLA (pure SSE's counterpart with one partition and no shared one): the state-capacity pair.
+    "gla_pure": dict(layer_types=["linear_attention", "linear_attention"], sse_num_partitions=1,
+                     sse_shared_partition=False, intermediate_size=363),
     "sse_dense": dict(sse_top_k=4),
     "sse_h_nobal": dict(sse_balance_loss_coef=0.0),
     "gla_shared": dict(sse_num_partitions=1),
@@ -76,13 +82,16 @@ def batch(gen, n_rows, device, pairs_of_row=None, fmt="elim"):
     return ids.to(device), labels.to(device), mask.to(device), npairs.to(device)
 
 
-def config_rows(path):
-    """(train rows, test rows, number of codes, the SFT sampler) of a pipeline MQAR config's generators (data.sft,
-    data.eval[0]), each row (code ids, labels, pairs) with the labels the SFT stage gives
-    (`tasks.retrieval.answer_labels`); the sampler is the config's `sft.train_sampling_strategy` (TRL's)."""
+def config_rows(path, sets=None):
+    """(train rows, test rows, number of codes, the SFT sampler, positions) of a pipeline MQAR config's generators
+    (data.sft, data.eval[0]), each row (code ids, labels, pairs) with the labels the SFT stage gives
+    (`tasks.retrieval.answer_labels`); the sampler is the config's `sft.train_sampling_strategy` (TRL's), positions
+    its `max_position_embeddings`. `sets`: a file of `--set` overrides, one per line
+    (bench/mqar_zoology_lengths.sets)."""
     from pipeline.config import load_config
     from tasks.retrieval import answer_labels, code, code_width, generate_task
-    cfg = load_config(path)
+    overrides = [line for line in open(sets).read().splitlines() if line.strip()] if sets else []
+    cfg = load_config(path, overrides)
     data = cfg.data
     vocab = data.sft.generator.options["vocab_size"]
     id_of = {code(i, code_width(vocab)): i for i in range(vocab)}
@@ -94,7 +103,8 @@ def config_rows(path):
             ids = [id_of[c] for c in row["problem"].split()]
             out.append((ids, answer_labels(ids, row["num_pairs"]), row["num_pairs"]))
         return out
-    return rows(data.sft), rows(data.eval[0]), vocab, cfg.sft.trl.get("train_sampling_strategy", "random")
+    return (rows(data.sft), rows(data.eval[0]), vocab, cfg.sft.trl.get("train_sampling_strategy", "random"),
+            cfg.model.config.get("max_position_embeddings", BASE["max_position_embeddings"]))
 
 
 def code_batch(rows, num_codes, device):
@@ -120,10 +130,12 @@ def run(variant, seed, steps, out, extra):
     lr, wd, bs = float(extra.pop("lr", 1e-3)), float(extra.pop("wd", 0.1)), int(extra.pop("bs", 64))
     fmt = extra.pop("fmt", "elim")
     config_path = extra.pop("config", "configs/mqar_sse_h.yaml")
+    sets = extra.pop("sets", None)
     cfg = {**BASE, **VARIANTS[variant], **{k: json.loads(v) for k, v in extra.items()}}
     if fmt == "config":
-        train_rows, test_rows, num_codes, sampling = config_rows(config_path)
+        train_rows, test_rows, num_codes, sampling, positions = config_rows(config_path, sets)
         cfg["vocab_size"] = num_codes + 1  # the last id pads
+        cfg["max_position_embeddings"] = positions
     cfg.setdefault("sse_impl", "chunk_torch_varlen")
     torch.manual_seed(seed)
     model = SSEForCausalLM(SSEConfig(**cfg)).to(device)
@@ -137,7 +149,7 @@ def run(variant, seed, steps, out, extra):
     gen = torch.Generator().manual_seed(1000 + seed)
     egen = torch.Generator().manual_seed(7)
     if fmt == "config":
-        ev = code_batch(test_rows, num_codes, device)
+        ev = [code_batch(test_rows[i:i + 100], num_codes, device) for i in range(0, len(test_rows), 100)]
         epochs = -(-steps * bs // len(train_rows))  # past one epoch, each further epoch in a fresh order
         if sampling == "group_by_length":  # the Trainer's sampler for it: batches of similar lengths
             from transformers.trainer_pt_utils import get_length_grouped_indices
@@ -146,19 +158,21 @@ def run(variant, seed, steps, out, extra):
         else:
             order = torch.cat([torch.randperm(len(train_rows), generator=gen) for _ in range(epochs)]).tolist()
     else:
-        ev = batch(egen, 800, device, pairs_of_row=lambda r: r % 4, fmt=fmt)
+        ev = [batch(egen, 800, device, pairs_of_row=lambda r: r % 4, fmt=fmt)]
     curve, evals, t0 = [], [], time.time()
 
     def evaluate(step):
         model.eval()
+        per_row, fq, npairs = [], [], []
         with torch.no_grad():
-            ids, labels, mask, npairs = ev
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            pred = logits[:, :-1].argmax(-1)
-            tgt = labels[:, 1:]
-            ok = (pred == tgt) & (tgt >= 0)
-            per_row = ok.sum(1).float() / (tgt >= 0).sum(1).float()
-            fq = ok[torch.arange(len(ids)), (tgt >= 0).int().argmax(1)].float()
+            for ids, labels, mask, pairs in ev:  # in parts of at most 100 rows: Zoology's long rows are 1024 codes
+                pred = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+                tgt = labels[:, 1:]
+                ok = (pred == tgt) & (tgt >= 0)
+                per_row.append(ok.sum(1).float() / (tgt >= 0).sum(1).float())
+                fq.append(ok[torch.arange(len(ids)), (tgt >= 0).int().argmax(1)].float())
+                npairs.append(pairs)
+            per_row, fq, npairs = torch.cat(per_row), torch.cat(fq), torch.cat(npairs)
             rec = dict(step=step, all=float(per_row.mean()) * 100, first_query=float(fq.mean()) * 100,
                        **{f"p{n}": float(per_row[npairs == n].mean()) * 100 for n in npairs.unique().tolist()},
                        s=round(time.time() - t0, 1))
@@ -185,7 +199,7 @@ def run(variant, seed, steps, out, extra):
         if step % EVAL_EVERY == 0 or step == steps:
             evaluate(step)
             json.dump(dict(variant=variant, seed=seed, steps=steps, fmt=fmt, lr=lr, wd=wd, bs=bs, config=cfg,
-                           sampling=sampling if fmt == "config" else None,
+                           sets=sets, sampling=sampling if fmt == "config" else None,
                            params=nparams, curve=curve, evals=evals, device=device), open(out, "w"))
 
 
