@@ -56,13 +56,11 @@ def parameter_counts(model_dir: Path) -> dict | None:
 
 
 def stage_seconds(run_dir: Path) -> dict:
-    """{stage: seconds} from the run's stage results (result.json of each stage), where recorded."""
-    out = {}
-    for path in sorted(run_dir.glob("*/result.json")):
-        seconds = json.loads(path.read_text()).get("seconds")
-        if seconds is not None:
-            out[path.parent.name] = seconds
-    return out
+    """{stage: seconds} from the run's manifest, where recorded: the driver's time for the whole stage, across
+    Ray Train restarts (a stage's own result.json holds its last attempt only)."""
+    manifest = run_dir / "manifest.json"
+    stages = json.loads(manifest.read_text())["stages"] if manifest.exists() else {}
+    return {stage: entry["seconds"] for stage, entry in stages.items() if entry.get("seconds") is not None}
 
 
 def load_run(run_dir: Path) -> dict:

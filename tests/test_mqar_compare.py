@@ -50,8 +50,11 @@ def fake_run(root: Path, name: str, correct: dict[int, list[bool]]) -> None:
                 "task": "mqar", "query_correct": [ok]} for pairs, oks in correct.items() for i, ok in enumerate(oks)]
     (out / "mqar-2-12.samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     (out / "metrics.json").write_text(json.dumps({"mqar-2-12": recall_metrics([[s] for s in samples])}))
+    # The manifest holds the driver's time of the whole stage; the worker's result.json its last attempt only.
+    (root / name / "manifest.json").write_text(json.dumps(
+        {"stages": {"init": {"state": "done"}, "sft": {"state": "done", "seconds": 12.5}}}))
     (root / name / "sft").mkdir()
-    (root / name / "sft" / "result.json").write_text(json.dumps({"status": "done", "seconds": 12.5}))
+    (root / name / "sft" / "result.json").write_text(json.dumps({"status": "done", "seconds": 3.0}))
 
 
 def test_compare_writes_table_differences_and_plot(tmp_path):
