@@ -213,7 +213,7 @@ def run_all(outdir, workers, deadline, specs):
             parts = spec.split(":")
             v, seed, steps = parts[0], parts[1], parts[2]
             extra = parts[3].split(",") if len(parts) > 3 and parts[3] else []
-            tag = spec.replace(":", "_").replace(",", "_").replace("=", "")
+            tag = spec.replace(":", "_").replace(",", "_").replace("=", "").replace("/", "-")
             log = open(f"{outdir}/{tag}.log", "w")
             p = subprocess.Popen([sys.executable, __file__, "run", v, seed, steps, f"{outdir}/{tag}.json", *extra],
                                  stdout=log, stderr=subprocess.STDOUT)
