@@ -75,6 +75,33 @@ def cache_bytes_per_sequence(name, config, tokens: int) -> int:
     return state + kv * sum(kind != SSE_LAYER for kind in kinds)
 
 
+def decode_bytes_per_token(name, config, length: int, sequences: int) -> float:
+    """HBM bytes a decode step reads and writes per sequence, averaged over a generation of `length` tokens after
+    the prompt, with `sequences` decoding at once: the weights once per step (the input embedding aside: only its
+    rows are gathered) shared by the batch, the K + shared touched SSE states read and written, the attention
+    layers' bf16 KV read at the context reached. Both models' decode steps are bandwidth-bound at these batches, so
+    the ratio of two models' bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
+    from sse_model.vllm_engine_config import state_dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    weights = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
+    engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
+    touched = 0
+    if SSE_LAYER in kinds:
+        touched = 2 * state_dtype(SimpleNamespace(**engine)).itemsize * kinds.count(SSE_LAYER) \
+            * config.sse_num_heads * (config.sse_top_k + config.sse_shared_partition) * config.sse_key_dim \
+            * config.sse_value_dim
+    context = PROMPT_TOKENS + (length - 1) / 2
+    kv = 2 * config.num_key_value_heads * config.head_dim * 2 * context * sum(kind != SSE_LAYER for kind in kinds)
+    return 2 * weights / sequences + touched + kv
+
+
 def worker(args) -> None:
     """One model: start the engine, warm up, generate at each length; print one JSON line."""
     from vllm import LLM, SamplingParams
@@ -204,15 +231,16 @@ def main(argv=None):
     lines += ["| measure | " + " | ".join(models) + " | " + " | ".join(f"{m} / Qwen3" for m in models[:-1]) + " |",
               "| --- |" + " ---: |" * (2 * len(models) - 1)]
 
-    def row(label, get, fmt):
-        """get(model name) -> number, or None where that model failed or did not run."""
+    def row(label, get, fmt, inverse=False):
+        """get(model name) -> number, or None where that model failed or did not run; `inverse`: the ratio
+        column is Qwen3's value over the model's (bytes, where less is faster)."""
         vals = []
         for model in models:
             try:
                 vals.append(get(model))
             except (KeyError, TypeError):
                 vals.append(None)
-        ratios = [f"{v / vals[-1]:.2f}" if v is not None and vals[-1] else "" for v in vals[:-1]]
+        ratios = [f"{(vals[-1] / v if inverse else v / vals[-1]):.2f}" if v and vals[-1] else "" for v in vals[:-1]]
         lines.append(f"| {label} | " + " | ".join("failed" if v is None else fmt.format(v) for v in vals)
                      + " | " + " | ".join(ratios) + " |")
 
@@ -225,6 +253,12 @@ def main(argv=None):
             "{:.2f}")
         row("  tokens/s after the prefill", lambda m, k=str(length): results[m]["speed"][k]["decode_tokens_per_s"],
             "{:,.0f}")
+        # Sequences decoding at once: all of them, or as many as vLLM's cache holds (its figure at the longest
+        # length; shorter lengths are not limited by it in these runs).
+        row("  decode MB moved per token (its ratio: the bandwidth bound)",
+            lambda m, n=length, p=prompts: decode_bytes_per_token(
+                m, cfgs[m], n, min(p * args.n, results[m].get("max_concurrency") or p * args.n)) / 1e6, "{:.1f}",
+            inverse=True)
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
