@@ -253,12 +253,13 @@ def main(argv=None):
             "{:.2f}")
         row("  tokens/s after the prefill", lambda m, k=str(length): results[m]["speed"][k]["decode_tokens_per_s"],
             "{:,.0f}")
-        # Sequences decoding at once: all of them, or as many as vLLM's cache holds (its figure at the longest
-        # length; shorter lengths are not limited by it in these runs).
+        # Sequences decoding at once: all of them, or as many as vLLM's cache holds (its figure is for the longest
+        # length; at a shorter one a KV-bound cache holds proportionally more).
+        def at_once(m, n=length, p=prompts):
+            held = results[m].get("max_concurrency")
+            return min(p * args.n, held * longest / (PROMPT_TOKENS + n)) if held else p * args.n
         row("  decode MB moved per token (its ratio: the bandwidth bound)",
-            lambda m, n=length, p=prompts: decode_bytes_per_token(
-                m, cfgs[m], n, min(p * args.n, results[m].get("max_concurrency") or p * args.n)) / 1e6, "{:.1f}",
-            inverse=True)
+            lambda m, n=length: decode_bytes_per_token(m, cfgs[m], n, at_once(m, n)) / 1e6, "{:.1f}", inverse=True)
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
