@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="on the CPU build: a fraction of RAM (or set VLLM_CPU_KVCACHE_SPACE in GiB)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--enforce-eager", action="store_true", help="no compilation or CUDA graphs (starts faster)")
+    engine.add_argument("--state-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="SSE state storage (vLLM's mamba_ssm_cache_dtype): auto is float32; bfloat16 decodes "
+                             "faster and drifts over long generations")
     return p
 
 
@@ -41,7 +44,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     seed = None if args.seed < 0 else args.seed
     engine = functools.partial(build_llm, args.model, seed=seed or 0, dtype=args.dtype,
                                max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                               state_dtype=args.state_dtype)
     results = evaluate(engine, [d.strip() for d in args.datasets.split(",") if d.strip()], args.out, n=args.n,
                        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=seed,
                        limit=args.limit, batch_problems=args.batch_problems, grading_timeout=args.grading_timeout,

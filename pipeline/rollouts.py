@@ -68,4 +68,5 @@ def engine_kwargs(cfg, model_path: str) -> dict:
     return dict(model=model_path, dtype=engine_dtype(cfg), seed=cfg.seed,
                 gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
-                enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1)
+                enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1,
+                mamba_ssm_cache_dtype=v.state_dtype)

@@ -287,9 +287,9 @@ def test_stage_cpu_threads():
     assert load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml").resources.sft.num_threads == 2
 
 
-def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tmp_path):
-    """grpo.vllm.enforce_eager (off by default: vLLM's own default; on in the tiny config) goes to the GRPO
-    engine's arguments and to each eval engine."""
+def test_vllm_enforce_eager_and_state_dtype_reach_the_rollout_and_eval_engines(monkeypatch, tmp_path):
+    """grpo.vllm.enforce_eager (off by default: vLLM's own default; on in the tiny config) and grpo.vllm.state_dtype
+    (vLLM's mamba_ssm_cache_dtype) go to the GRPO engine's arguments and to each eval engine."""
     import pipeline.stages.evaluate as evaluate
     from pipeline.config import VLLMSettings
     from pipeline.rollouts import engine_kwargs
@@ -302,8 +302,13 @@ def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tm
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert VLLMSettings().enforce_eager is False
     assert engine_kwargs(load_config(tiny, ["grpo.vllm.enforce_eager=false"]), "m")["enforce_eager"] is False
-    cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0"])
+    assert VLLMSettings().state_dtype == "auto"
+    assert engine_kwargs(load_config(tiny), "m")["mamba_ssm_cache_dtype"] == "auto"
+    with pytest.raises(ConfigError, match=r"grpo\.vllm\.state_dtype"):
+        load_config(tiny, ["grpo.vllm.state_dtype=float16"])  # a long-memory state's sum can pass float16's range
+    cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0", "grpo.vllm.state_dtype=bfloat16"])
     assert engine_kwargs(cfg, "m")["enforce_eager"] is True
+    assert engine_kwargs(cfg, "m")["mamba_ssm_cache_dtype"] == "bfloat16"
     built = []
     monkeypatch.setattr(evaluate, "build_llm", lambda path, **kwargs: built.append(kwargs))
     monkeypatch.setattr(evaluate, "evaluate", lambda engine, *a, **k: engine() or {})
@@ -311,4 +316,4 @@ def test_vllm_enforce_eager_reaches_the_rollout_and_eval_engines(monkeypatch, tm
     run = RunDir(tmp_path / "run")
     run.create()
     evaluate.run(cfg, run, "model")
-    assert [kwargs["enforce_eager"] for kwargs in built] == [True]
+    assert [(kwargs["enforce_eager"], kwargs["state_dtype"]) for kwargs in built] == [(True, "bfloat16")]

@@ -23,7 +23,8 @@ def run(cfg, run_dir, model_path) -> dict:
     for label, path in models_to_score(cfg, run_dir, model_path).items():
         def engine(path=path):
             return build_llm(path, seed=cfg.seed, dtype=engine_dtype(cfg),
-                             gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager)
+                             gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+                             state_dtype=v.state_dtype)
 
         def progress(name, done, total, label=label):
             run_dir.write_progress("eval", done=done, total=total, unit="problem", what=f"{label} {name}")
