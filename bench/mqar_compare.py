@@ -1,7 +1,7 @@
 """The recall comparison of issue 16 (docs/retrieval.md, "Three-way comparison"): MQAR accuracy against the
 number of pairs for the runs of configs/mqar_*.yaml.
 
-    for c in sse_h sse gla transformer sse_dense; do sse-rl run configs/mqar_$c.yaml; done
+    for c in sse_h sse gla gla_pure transformer sse_dense; do sse-rl run configs/mqar_$c.yaml; done
     python bench/mqar_compare.py [--runs runs] [--out bench/results] [--tag DATE]
 
 Reads each run's eval `metrics.json` (query accuracy by number of pairs, Zoology's measure: teacher-forced, every
@@ -28,9 +28,10 @@ from eval.metrics import paired_change  # noqa: E402
 # (label, run name) in the order of the plot's legend and the table.
 MODELS = [("Transformer", "mqar-zoology-transformer"), ("SSE-H", "mqar-zoology-sse-h"),
           ("SSE (all layers)", "mqar-zoology-sse"), ("SSE-H dense (K = N)", "mqar-zoology-sse-dense"),
-          ("GLA", "mqar-zoology-gla")]
-# Paired differences reported per number of pairs: (a, b) gives a - b.
-COMPARISONS = [("Transformer", "SSE-H"), ("SSE-H", "GLA"), ("SSE (all layers)", "GLA"),
+          ("GLA", "mqar-zoology-gla"), ("GLA (all layers)", "mqar-zoology-gla-pure")]
+# Paired differences reported per number of pairs: (a, b) gives a - b. The hybrids against each other, and the two
+# models without attention (where the state alone must hold the pairs) against each other.
+COMPARISONS = [("Transformer", "SSE-H"), ("SSE-H", "GLA"), ("SSE (all layers)", "GLA (all layers)"),
                ("SSE-H", "SSE-H dense (K = N)")]
 
 

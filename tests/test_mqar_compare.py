@@ -16,6 +16,8 @@ VARIANTS = {
                       "intermediate_size": 390},
     "mqar_transformer.yaml": {"layer_types": ["full_attention"] * 2, "intermediate_size": 417},
     "mqar_sse_dense.yaml": {"sse_top_k": 4},
+    "mqar_gla_pure.yaml": {"layer_types": ["linear_attention"] * 2, "sse_num_partitions": 1, "sse_top_k": 1,
+                           "sse_shared_partition": False, "intermediate_size": 363},
 }
 
 
