@@ -75,21 +75,25 @@ def cache_bytes_per_sequence(name, config, tokens: int) -> int:
     return state + kv * sum(kind != SSE_LAYER for kind in kinds)
 
 
-def decode_bytes_per_token(name, config, length: int, sequences: int) -> float:
-    """HBM bytes a decode step reads and writes per sequence, averaged over a generation of `length` tokens after
-    the prompt, with `sequences` decoding at once: the weights once per step (the input embedding aside: only its
-    rows are gathered) shared by the batch, the K + shared touched SSE states read and written, the attention
-    layers' bf16 KV read at the context reached. Both models' decode steps are bandwidth-bound at these batches, so
-    the ratio of two models' bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
-    from types import SimpleNamespace
-
+def streamed_weights(config) -> int:
+    """Parameters a decode step reads whole: all but the input embedding, of which only the batch's rows are read."""
     from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+def decode_bytes_per_token(name, config, weights: int, length: int, sequences: int) -> float:
+    """HBM bytes a decode step reads and writes per sequence, averaged over a generation of `length` tokens after
+    the prompt, with `sequences` decoding at once: the bf16 `weights` (streamed_weights) once per step, shared by
+    the batch, the K + shared touched SSE states read and written, the attention layers' bf16 KV read at the
+    context reached. Both models' decode steps are bandwidth-bound at these batches, so the ratio of two models'
+    bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
+    from types import SimpleNamespace
 
     from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
     from sse_model.vllm_engine_config import state_dtype
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    weights = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
     engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
     touched = 0
@@ -245,6 +249,7 @@ def main(argv=None):
                      + " | " + " | ".join(ratios) + " |")
 
     row("engine start, s", lambda m: results[m]["start_s"], "{:.0f}")
+    weights = {m: streamed_weights(cfgs[m]) for m in models}
     for length in args.lengths:
         prompts = args.prompts_long if length >= args.long_from else args.prompts
         row(f"output tokens/s, {prompts} prompts x {args.n} x {length} tokens",
@@ -259,7 +264,8 @@ def main(argv=None):
             held = results[m].get("max_concurrency")
             return min(p * args.n, held * longest / (PROMPT_TOKENS + n)) if held else p * args.n
         row("  decode MB moved per token (its ratio: the bandwidth bound)",
-            lambda m, n=length: decode_bytes_per_token(m, cfgs[m], n, at_once(m, n)) / 1e6, "{:.1f}", inverse=True)
+            lambda m, n=length: decode_bytes_per_token(m, cfgs[m], weights[m], n, at_once(m, n)) / 1e6, "{:.1f}",
+            inverse=True)
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
