@@ -61,18 +61,24 @@ def configs(shape: str = "small"):
             "Qwen3": Qwen3Config(**dims, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
-def cache_bytes_per_sequence(name, config, tokens: int) -> int:
-    """SSE states (constant; what the plugin sizes max_num_seqs by) plus bf16 KV per attention layer."""
+def cache_per_sequence(name, config) -> tuple[int, int]:
+    """(SSE state bytes, bf16 KV bytes per token of context) of one sequence: the states of all partitions of all
+    SSE layers in the engine's state dtype (constant; what the plugin sizes max_num_seqs by), the KV of every
+    attention layer."""
     from types import SimpleNamespace
 
     from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
     from sse_model.vllm_engine_config import state_bytes_per_sequence, state_dtype
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
     engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
-    dtype = state_dtype(SimpleNamespace(**engine))
-    state = state_bytes_per_sequence(config, 1, dtype) if SSE_LAYER in kinds else 0
-    kv = 2 * config.num_key_value_heads * config.head_dim * 2 * tokens
-    return state + kv * sum(kind != SSE_LAYER for kind in kinds)
+    state = state_bytes_per_sequence(config, 1, state_dtype(SimpleNamespace(**engine))) if SSE_LAYER in kinds else 0
+    return state, 2 * config.num_key_value_heads * config.head_dim * 2 * sum(kind != SSE_LAYER for kind in kinds)
+
+
+def cache_bytes_per_sequence(name, config, tokens: int) -> int:
+    """SSE states plus bf16 KV of a sequence of `tokens`."""
+    state, kv_per_token = cache_per_sequence(name, config)
+    return state + kv_per_token * tokens
 
 
 def streamed_weights(config) -> int:
@@ -87,23 +93,15 @@ def streamed_weights(config) -> int:
 def decode_bytes_per_token(name, config, weights: int, length: int, sequences: int) -> float:
     """HBM bytes a decode step reads and writes per sequence, averaged over a generation of `length` tokens after
     the prompt, with `sequences` decoding at once: the bf16 `weights` (streamed_weights) once per step, shared by
-    the batch, the K + shared touched SSE states read and written, the attention layers' bf16 KV read at the
-    context reached. Both models' decode steps are bandwidth-bound at these batches, so the ratio of two models'
-    bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
-    from types import SimpleNamespace
-
-    from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
-    from sse_model.vllm_engine_config import state_dtype
-    kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
-    engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
-    touched = 0
-    if SSE_LAYER in kinds:
-        touched = 2 * state_dtype(SimpleNamespace(**engine)).itemsize * kinds.count(SSE_LAYER) \
-            * config.sse_num_heads * (config.sse_top_k + config.sse_shared_partition) * config.sse_key_dim \
-            * config.sse_value_dim
-    context = PROMPT_TOKENS + (length - 1) / 2
-    kv = 2 * config.num_key_value_heads * config.head_dim * 2 * context * sum(kind != SSE_LAYER for kind in kinds)
-    return 2 * weights / sequences + touched + kv
+    the batch, the K + shared touched partitions of the SSE states read and written, the attention layers' bf16 KV
+    read at the context reached. Both models' decode steps are bandwidth-bound at these batches, so the ratio of
+    two models' bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
+    state, kv_per_token = cache_per_sequence(name, config)
+    touched = 0.0
+    if state:
+        touched = 2 * state * (config.sse_top_k + config.sse_shared_partition) \
+            / config.num_sse_partitions_with_shared
+    return 2 * weights / sequences + touched + kv_per_token * (PROMPT_TOKENS + (length - 1) / 2)
 
 
 def worker(args) -> None:
