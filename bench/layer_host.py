@@ -1,12 +1,14 @@
 """Host time of the SSE training layer, against Qwen3's decoder layer: how long the CPU takes to queue one call.
 
-    python bench/layer_host.py [--lengths 1024 8192] [--out bench/results]
+    python bench/layer_host.py [--lengths 1024 8192] [--out bench/results] [--profile]
 
 A training step whose host queues kernels more slowly than the GPU runs them is bound by the host (with gradient
 checkpointing every layer's forward is queued twice). Each row times a loop of calls without synchronising, so
 the host's time per call is what is measured while it stays ahead of the GPU ("host us"); "wall us" adds the wait
 for the GPU at the end. Shapes as bench/train_step.py (width 2048, 16 heads of 128, SSE n4k1 + shared), bf16.
-Writes bench/results/layer_host_<date>.json with the device and date.
+Writes bench/results/layer_host_<date>.json with the device and date. `--profile` also writes, per length, where
+the host's time goes in one checkpointed forward + backward of each decoder layer (torch.profiler's CPU side: self
+time per op, kernel launches counted) to layer_host_<date>_profile.txt.
 """
 import argparse
 import json
@@ -86,11 +88,34 @@ def measure(T: int, calls: int) -> dict:
     return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
 
 
+def host_profile(T: int, calls: int = 20) -> str:
+    """torch.profiler's CPU-side table of `calls` checkpointed forward + backward passes of each decoder layer."""
+    from torch.profiler import ProfilerActivity, profile
+    _, sse_fn, _, qwen_fn, x = layers(T)
+    text = []
+    for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
+        def step(fn=fn):
+            checkpoint(fn, x, use_reentrant=False).sum().backward()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                step()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key) / calls
+        text.append(f"## {name} decoder layer, T = {T}, checkpointed forward + backward: "
+                    f"{launches:.0f} kernel launches per call\n")
+        text.append(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    return "\n".join(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--profile", action="store_true", help="also write where the host's time goes")
     args = p.parse_args(argv)
     results = {T: measure(T, args.calls) for T in args.lengths}
     now = datetime.now(timezone.utc)
@@ -104,6 +129,9 @@ def main(argv=None):
     report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, shape=SHAPE, results=results)
     (args.out / f"layer_host_{now:%Y%m%d-%H%M}.json").write_text(json.dumps(report, indent=1))
+    if args.profile:
+        (args.out / f"layer_host_{now:%Y%m%d-%H%M}_profile.txt").write_text(
+            "\n\n".join(host_profile(T) for T in args.lengths))
 
 
 if __name__ == "__main__":
