@@ -84,26 +84,36 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
 
 
 def profile(builds, T: int, top: int = 25) -> list[str]:
-    """GPU time per kernel of one unpacked step (after a warm-up step), SSE-H and Qwen3: a markdown section."""
+    """GPU time per kernel of one unpacked step (after a warm-up step), SSE-H and Qwen3, and per torch op with its
+    input shapes (which op of the model launched the kernels): a markdown section."""
     from torch.profiler import ProfilerActivity
     lines = [f"## T = {T}, unpacked, no checkpointing", ""]
-    for name in ("SSE-H", "Qwen3"):
+    for name in [name for name in ("SSE-H", "Qwen3") if name in builds]:
         torch.manual_seed(0)
         model = builds[name]().to("cuda", torch.bfloat16).train()
         ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                    record_shapes=True) as prof:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
         kernels.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in kernels) / 1e3
         lines += [f"### {name}: {total:.1f} ms of GPU kernels", "", "| kernel | calls | ms | share |",
                   "| --- | ---: | ---: | ---: |"]
         for e in kernels[:top]:
             ms = e.device_time_total / 1e3
-            lines.append(f"| `{e.key[:90]}` | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+            lines.append(f"| `{e.key[:120]}` | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+        ops.sort(key=lambda e: -e.self_device_time_total)
+        lines += ["", f"{name}, by torch op (GPU time of the kernels each op launched itself):", "",
+                  "| op | input shapes | calls | ms |", "| --- | --- | ---: | ---: |"]
+        for e in ops[:top]:
+            shapes = str([list(s) for s in e.input_shapes if s])[:100]
+            lines.append(f"| `{e.key}` | `{shapes}` | {e.count} | {e.self_device_time_total / 1e3:.2f} |")
         lines.append("")
         del model
         torch.cuda.empty_cache()
