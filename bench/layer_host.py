@@ -61,7 +61,7 @@ def layers(T: int):
                                                             position_ids=position_ids), x)
 
 
-def measure(T: int, calls: int) -> dict:
+def measure(T: int, calls: int, built) -> dict:
     from kernels import sse_attention
     from kernels.triton.indexed_chunk import index_tables
     H, C, N = SHAPE["num_attention_heads"], SHAPE["head_dim"], 4
@@ -71,7 +71,7 @@ def measure(T: int, calls: int) -> dict:
     router = leaf(1, T, N)
     op = dict(top_k=1, q_shared=q_shared, k_shared_logits=k_shared, decay_normalizer=16.0)
     bounds = torch.tensor([0, T], device="cuda")
-    _, sse_fn, _, qwen_fn, x = layers(T)
+    _, sse_fn, _, qwen_fn, x = built
 
     def step(fn, checkpointed):
         out = checkpoint(fn, x, use_reentrant=False) if checkpointed else fn(x)
@@ -88,10 +88,11 @@ def measure(T: int, calls: int) -> dict:
     return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
 
 
-def host_profile(T: int, calls: int = 20) -> str:
-    """torch.profiler's CPU-side table of `calls` checkpointed forward + backward passes of each decoder layer."""
+def host_profile(T: int, built, calls: int = 20) -> str:
+    """torch.profiler's CPU-side table of `calls` checkpointed forward + backward passes of each decoder layer
+    (`built`: what `layers(T)` returns)."""
     from torch.profiler import ProfilerActivity, profile
-    _, sse_fn, _, qwen_fn, x = layers(T)
+    _, sse_fn, _, qwen_fn, x = built
     text = []
     for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
         def step(fn=fn):
@@ -117,7 +118,8 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="also write where the host's time goes")
     args = p.parse_args(argv)
-    results = {T: measure(T, args.calls) for T in args.lengths}
+    built = {T: layers(T) for T in args.lengths}
+    results = {T: measure(T, args.calls, built[T]) for T in args.lengths}
     now = datetime.now(timezone.utc)
     print(f"Host time per call, {torch.cuda.get_device_name()}, {now:%Y-%m-%d %H:%M} UTC (host us / wall us)")
     print("| call | " + " | ".join(f"T = {T}" for T in args.lengths) + " |")
@@ -131,7 +133,7 @@ def main(argv=None):
     (args.out / f"layer_host_{now:%Y%m%d-%H%M}.json").write_text(json.dumps(report, indent=1))
     if args.profile:
         (args.out / f"layer_host_{now:%Y%m%d-%H%M}_profile.txt").write_text(
-            "\n\n".join(host_profile(T) for T in args.lengths))
+            "\n\n".join(host_profile(T, built[T]) for T in args.lengths))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 BASE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
             layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=4,
@@ -90,7 +91,7 @@ def config_rows(path, sets=None):
     (bench/mqar_zoology_lengths.sets)."""
     from pipeline.config import load_config
     from tasks.retrieval import answer_labels, code, code_width, generate_task
-    overrides = [line for line in open(sets).read().splitlines() if line.strip()] if sets else []
+    overrides = [line for line in Path(sets).read_text().splitlines() if line.strip()] if sets else []
     cfg = load_config(path, overrides)
     data = cfg.data
     vocab = data.sft.generator.options["vocab_size"]

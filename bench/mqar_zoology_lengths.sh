@@ -15,7 +15,7 @@ out=${1:-runs/zoology-lengths}; shift || true
 models=${*:-sse_h sse gla gla_pure transformer sse_dense}
 cd "$(dirname "$0")/.."
 sets=()
-while IFS= read -r line; do sets+=(--set "$line"); done < bench/mqar_zoology_lengths.sets
+while IFS= read -r line; do if [[ -n $line ]]; then sets+=(--set "$line"); fi; done < bench/mqar_zoology_lengths.sets
 for model in $models; do
   .venv/bin/sse-rl run "configs/mqar_$model.yaml" --set "output_dir=$out" --set "sft.epochs=${SFT_EPOCHS:-1}" \
     "${sets[@]}"
