@@ -2,14 +2,14 @@
 
     python bench/layer_host_ablate.py [T]          # T = 1024 by default; prints the tables
 
-Part 1 (ran on an H100 on 2026-11-27, bench/results/layer_host_ablate_20261127-0220.txt): host time per call of
-each layer without and with grad and with activation checkpointing, then the SSE layer with its two Triton-backed
+Part 1 (ran on an H100 on 2026-11-27, bench/results/layer_host_ablate_20261127-0220.txt): host time per call of each
+layer without and with grad and with activation checkpointing, then the SSE layer with its two Triton-backed
 autograd Functions (the SSE operator, the norm-gate step) swapped for torch stand-ins, Triton's launch cost, and
-cProfile of one checkpointed step of each layer. Part 2 (written after part 1 ran; not yet run: the session's
-device time ran out): whether checkpointing itself costs the extra, i.e. the norm-gate Function alone under
-checkpoint variants (no RNG preservation, no determinism check, reentrant), Triton launches from autograd's
-backward thread, and host synchronisations during a checkpointed step of each layer
-(`torch.cuda.set_sync_debug_mode`).
+cProfile of one checkpointed step of each layer. Part 2 (written after part 1 ran; not yet run on a GPU: the
+session's device time ran out; checked end to end on a CPU with Triton interpreted and the CUDA calls stubbed):
+whether checkpointing itself costs the extra, i.e. the norm-gate Function alone under checkpoint variants (no RNG
+preservation, no determinism check, reentrant), Triton launches from autograd's backward thread, and host
+synchronisations during a checkpointed step of each layer (`torch.cuda.set_sync_debug_mode`).
 """
 import cProfile
 import io
@@ -97,18 +97,17 @@ for k, (h, w_) in res.items():
     print(f"{k:60s} {h:9.1f} {w_:9.1f}")
 
 for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
-    for ck in (True,):
-        pr = cProfile.Profile()
-        torch.cuda.synchronize()
-        pr.enable()
-        for _ in range(20):
-            step(fn, ck)
-        pr.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-        print(f"==== cProfile {name} ckpt={ck}, 20 calls, by tottime")
-        print(s.getvalue()[:6000])
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(20):
+        step(fn, True)
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    print(f"==== cProfile {name} ckpt=True, 20 calls, by tottime")
+    print(s.getvalue()[:6000])
 
 
 # ---- Part 2: is it checkpointing? (not yet run) ----
