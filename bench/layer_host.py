@@ -40,6 +40,16 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
     return round(host / calls * 1e6, 1), round(wall / calls * 1e6, 1)
 
 
+def fwd_bwd(fn, *inputs, checkpointing=None):
+    """One forward + backward of fn(*inputs).sum(); `checkpointing`: torch.utils.checkpoint's keyword arguments
+    (e.g. `CHECKPOINT`), or None for a plain call."""
+    out = fn(*inputs) if checkpointing is None else checkpoint(fn, *inputs, **checkpointing)
+    out.sum().backward()
+
+
+CHECKPOINT = dict(use_reentrant=False)  # as bench/train_step.py's gradient checkpointing
+
+
 def layers(T: int):
     """(SSE decoder layer, Qwen3 decoder layer, their inputs) of bench/train_step.py's models."""
     from transformers import Qwen3Config
@@ -73,18 +83,14 @@ def measure(T: int, calls: int, built) -> dict:
     bounds = torch.tensor([0, T], device="cuda")
     _, sse_fn, _, qwen_fn, x = built
 
-    def step(fn, checkpointed):
-        out = checkpoint(fn, x, use_reentrant=False) if checkpointed else fn(x)
-        out.sum().backward()
-
     rows = {"routing and chunk index (index_tables)": lambda: index_tables(router[0].detach(), bounds, 1, True, 64),
             "SSE operator forward": lambda: sse_attention(q, k, v, g, router, **op),
             "SSE operator forward + backward": lambda: sse_attention(q, k, v, g, router, **op)[0].sum().backward()}
     for checkpointed in (False, True):
         rows[f"SSE decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
-            lambda c=checkpointed: step(sse_fn, c)
+            lambda c=checkpointed: fwd_bwd(sse_fn, x, checkpointing=CHECKPOINT if c else None)
         rows[f"Qwen3 decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
-            lambda c=checkpointed: step(qwen_fn, c)
+            lambda c=checkpointed: fwd_bwd(qwen_fn, x, checkpointing=CHECKPOINT if c else None)
     return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
 
 
@@ -96,7 +102,7 @@ def host_profile(T: int, built, calls: int = 20) -> str:
     text = []
     for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
         def step(fn=fn):
-            checkpoint(fn, x, use_reentrant=False).sum().backward()
+            fwd_bwd(fn, x, checkpointing=CHECKPOINT)
         for _ in range(3):
             step()
         torch.cuda.synchronize()

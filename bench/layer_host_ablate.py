@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import triton
-from torch.utils.checkpoint import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -29,7 +28,7 @@ import kernels  # noqa: E402
 from kernels.norm_gate import norm_gate_torch  # noqa: E402
 from kernels.triton.indexed_chunk import index_tables  # noqa: E402
 from kernels.triton.norm_gate import _norm_gate_fwd_kernel  # noqa: E402
-from layer_host import layers, per_call_us  # noqa: E402
+from layer_host import CHECKPOINT, fwd_bwd, layers, per_call_us  # noqa: E402
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 calls = 50
@@ -37,8 +36,7 @@ sse, sse_fn, qwen, qwen_fn, x = layers(T)
 
 
 def step(fn, ck):
-    out = checkpoint(fn, x, use_reentrant=False) if ck else fn(x)
-    out.sum().backward()
+    fwd_bwd(fn, x, checkpointing=CHECKPOINT if ck else None)
 
 
 def fwd(fn):
@@ -46,14 +44,10 @@ def fwd(fn):
         fn(x)
 
 
-def fwd_grad(fn):
-    fn(x)
-
-
 rows = {}
 for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
     rows[f"{name} fwd no_grad"] = lambda fn=fn: fwd(fn)
-    rows[f"{name} fwd grad (no bwd)"] = lambda fn=fn: fwd_grad(fn)
+    rows[f"{name} fwd grad (no bwd)"] = lambda fn=fn: fn(x)
     rows[f"{name} fwd+bwd"] = lambda fn=fn: step(fn, False)
     rows[f"{name} ckpt fwd+bwd"] = lambda fn=fn: step(fn, True)
 res = {k: per_call_us(f, calls) for k, f in rows.items()}
@@ -83,8 +77,13 @@ w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
 y = torch.empty_like(o)
 rstd = torch.empty(T * 16, device="cuda")
 grid = (triton.cdiv(T * 16, 16),)
-res["triton launch (norm_gate fwd, 10 args)"] = per_call_us(
-    lambda: _norm_gate_fwd_kernel[grid](o, w, o, y, rstd, T * 16, 128, 1e-6, 16, 128), 500)
+
+
+def launch_norm_gate():
+    _norm_gate_fwd_kernel[grid](o, w, o, y, rstd, T * 16, 128, 1e-6, 16, 128)
+
+
+res["triton launch (norm_gate fwd, 10 args)"] = per_call_us(launch_norm_gate, 500)
 res["torch.mul launch"] = per_call_us(lambda: torch.mul(o, o), 500)
 res["torch.empty"] = per_call_us(lambda: torch.empty(T, 16, 128, device="cuda", dtype=torch.bfloat16), 500)
 
@@ -111,37 +110,30 @@ for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
 
 
 # ---- Part 2: is it checkpointing? (not yet run) ----
-o = torch.randn(1, T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-g = torch.randn(1, T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.ones(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-norm_gates = {"triton": lambda o, g: kernels.norm_gate(o, w, g, eps=1e-6),
-              "torch": lambda o, g: norm_gate_torch(o, w, g, 1e-6)}
-modes = {"plain": None, "ckpt": dict(use_reentrant=False),
+o4, g4 = (torch.randn(1, T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+w4 = torch.ones(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+norm_gates = {"triton": lambda o, g: kernels.norm_gate(o, w4, g, eps=1e-6),
+              "torch": lambda o, g: norm_gate_torch(o, w4, g, 1e-6)}
+modes = {"plain": None, "ckpt": CHECKPOINT,
          "ckpt no-rng": dict(use_reentrant=False, preserve_rng_state=False),
          "ckpt no-check": dict(use_reentrant=False, determinism_check="none"),
          "ckpt reentrant": dict(use_reentrant=True)}
 
 
-def norm_gate_step(fn, kwargs):
-    y = fn(o, g) if kwargs is None else checkpoint(fn, o, g, **kwargs)
-    y.sum().backward()
-
-
 res = {}
 for name, fn in norm_gates.items():
     for mode, kwargs in modes.items():
-        res[f"norm_gate {name} {mode}"] = per_call_us(lambda fn=fn, kwargs=kwargs: norm_gate_step(fn, kwargs), 200)
+        res[f"norm_gate {name} {mode}"] = per_call_us(
+            lambda fn=fn, kwargs=kwargs: fwd_bwd(fn, o4, g4, checkpointing=kwargs), 200)
 for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
     res[f"{name} layer ckpt no-rng fwd+bwd"] = per_call_us(
-        lambda fn=fn: checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False).sum().backward(), calls)
+        lambda fn=fn: fwd_bwd(fn, x, checkpointing=dict(CHECKPOINT, preserve_rng_state=False)), calls)
 
-rows_ = torch.empty(T * 16, 128, device="cuda", dtype=torch.bfloat16)
-flat_o = o.detach().reshape(-1, 128)
 
 
 def ten_launches():
     for _ in range(10):
-        _norm_gate_fwd_kernel[grid](flat_o, w, flat_o, rows_, rstd, T * 16, 128, 1e-6, 16, 128)
+        launch_norm_gate()
 
 
 class LaunchInForward(torch.autograd.Function):
@@ -173,7 +165,7 @@ res["10 launches in a Function's forward (+ x*1 fwd/bwd)"] = per_call_us(
 res["10 launches in a Function's backward (+ x*1 fwd/bwd)"] = per_call_us(
     lambda: LaunchInBackward.apply(a).sum().backward(), 200)
 res["10 launches in a Function's forward, checkpointed"] = per_call_us(
-    lambda: checkpoint(LaunchInForward.apply, a, use_reentrant=False).sum().backward(), 200)
+    lambda: fwd_bwd(LaunchInForward.apply, a, checkpointing=CHECKPOINT), 200)
 print("\n==== Part 2: host us / wall us")
 for k, (h, w_) in res.items():
     print(f"{k:60s} {h:9.1f} {w_:9.1f}")
@@ -184,8 +176,7 @@ for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = checkpoint(fn, x, use_reentrant=False) if ck else fn(x)
-            out.sum().backward()
+            step(fn, ck)
         torch.cuda.set_sync_debug_mode(0)
         print(f"{name} layer step, checkpointing {ck}: {len(caught)} synchronising calls",
               sorted({str(c.message)[:100] for c in caught}))
