@@ -5,11 +5,11 @@
 Part 1 (ran on an H100 on 2026-11-27, bench/results/layer_host_ablate_20261127-0220.txt): host time per call of each
 layer without and with grad and with activation checkpointing, then the SSE layer with its two Triton-backed
 autograd Functions (the SSE operator, the norm-gate step) swapped for torch stand-ins, Triton's launch cost, and
-cProfile of one checkpointed step of each layer. Part 2 (written after part 1 ran; not yet run on a GPU: the
-session's device time ran out; checked end to end on a CPU with Triton interpreted and the CUDA calls stubbed):
-whether checkpointing itself costs the extra, i.e. the norm-gate Function alone under checkpoint variants (no RNG
-preservation, no determinism check, reentrant), Triton launches from autograd's backward thread, and host
-synchronisations during a checkpointed step of each layer (`torch.cuda.set_sync_debug_mode`).
+cProfile of one checkpointed step of each layer. Part 2 (both parts ran on an H100 on 2026-11-27 03:49,
+bench/results/layer_host_ablate_20261127-0349.txt): whether checkpointing itself costs the extra, i.e. the
+norm-gate Function alone under checkpoint variants (no RNG preservation, no determinism check, reentrant), Triton
+launches from autograd's backward thread, and host synchronisations during a checkpointed step of each layer
+(`torch.cuda.set_sync_debug_mode`). kernels/NOTES.md has both runs' tables.
 """
 import cProfile
 import io
@@ -109,7 +109,7 @@ for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
     print(s.getvalue()[:6000])
 
 
-# ---- Part 2: is it checkpointing? (not yet run) ----
+# ---- Part 2: is it checkpointing? ----
 o4, g4 = (torch.randn(1, T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 w4 = torch.ones(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 norm_gates = {"triton": lambda o, g: kernels.norm_gate(o, w4, g, eps=1e-6),
