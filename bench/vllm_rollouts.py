@@ -14,6 +14,8 @@ memory is freed between models. Reported per model: start seconds, output tokens
 vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache holds), and cache
 bytes per sequence (SSE state + attention KV) from the config. `SSE-H-bf16-states` is the same SSE-H with its
 states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; `--models SSE-H SSE-H-bf16-states Qwen3`).
+With `--engine '{"enable_logging_iteration_details": true}'` the report also says, per timed generation, how many
+engine steps ran and how long the engine waited for their model outputs (`step_waits`): host-bound or stalled.
 
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
@@ -136,13 +138,33 @@ def worker(args) -> None:
         # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
         # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
         _, prefill_s = run(prompts, 1)
+        print(f"TIMED {length} begin", flush=True)  # brackets the engine's iteration log lines (`step_waits`)
         tps, elapsed = run(prompts, length)
+        print(f"TIMED {length} end", flush=True)
         decode_tps = prompts * args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
         speed[length] = dict(prompts=prompts, tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s,
                              decode_tokens_per_s=decode_tps)
         print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
               f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
     print("RESULT " + json.dumps(dict(start_s=start_s, speed=speed)), flush=True)
+
+
+ITERATION = re.compile(r"iteration elapsed time: ([\d.]+) ms")
+
+
+def step_waits(text: str) -> dict:
+    """Per timed length, from the engine's iteration log (engine argument `enable_logging_iteration_details`):
+    how many steps it ran and how long the engine core waited for their model outputs. With async scheduling that
+    wait is the time the GPU side was behind the host: near zero for a host-bound run; a few long waits mean
+    stalls (e.g. kernels compiling mid-run)."""
+    waits, length = {}, None
+    for line in text.splitlines():
+        if line.startswith("TIMED "):
+            _, n, edge = line.split()
+            length = n if edge == "begin" else None
+        elif length and (found := ITERATION.search(line)):
+            waits.setdefault(length, []).append(float(found.group(1)))
+    return {n: dict(steps=len(w), waited_s=sum(w) / 1e3, longest_ms=max(w)) for n, w in waits.items()}
 
 
 def run_model(name, path, args, log: Path) -> dict:
@@ -160,6 +182,8 @@ def run_model(name, path, args, log: Path) -> dict:
     # vLLM logs how many sequences of max_model_len its cache holds
     found = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.,]+)x", text)
     result["max_concurrency"] = float(found[-1][1].replace(",", "")) if found else None
+    if waits := step_waits(text):
+        result["engine_steps"] = waits
     return result
 
 
@@ -266,6 +290,10 @@ def main(argv=None):
             inverse=True)
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
+    steps = [f"- {m}, {n} new tokens: {w['steps']} engine steps; the engine waited {w['waited_s']:.1f} s for model "
+             f"outputs (longest {w['longest_ms']:.0f} ms) of {results[m]['speed'][n]['seconds']:.1f} s"
+             for m in models for n, w in results[m].get("engine_steps", {}).items()]
+    lines += [""] + steps if steps else []
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
