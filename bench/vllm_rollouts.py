@@ -292,7 +292,7 @@ def main(argv=None):
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
     steps = [f"- {m}, {n} new tokens: {w['steps']} engine steps; the engine waited {w['waited_s']:.1f} s for model "
              f"outputs (longest {w['longest_ms']:.0f} ms) of {results[m]['speed'][n]['seconds']:.1f} s"
-             for m in models for n, w in results[m].get("engine_steps", {}).items()]
+             for m in models for n, w in results.get(m, {}).get("engine_steps", {}).items()]
     lines += [""] + steps if steps else []
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -279,6 +279,44 @@ def test_indexed_chunk_takes_decay_logits(device, row_topk):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_triton_config")
+def test_indexed_path_compiles_once_for_all_counts():
+    """vLLM's prefill steps and packed training batches call the indexed path and the norm gate with token,
+    segment and chunk counts that change from call to call. Triton specialises an integer argument on being 1 or
+    a multiple of 16 unless told not to, and each new variant compiles for seconds in the middle of a rollout
+    (seen in vLLM on an H100: bench/results/vllm_rollouts_small_compiles_20261127.md). After one call, forward and
+    backward with other counts (one segment, lengths 1, 16 and 64, many segments) must compile nothing."""
+    import triton
+
+    from kernels import norm_gate, sse_attention
+    from kernels.triton import expand, indexed_chunk, routing
+    from kernels.triton import norm_gate as norm_gate_kernels
+    jitted = {f"{m.__name__}.{n}": f for m in (indexed_chunk, routing, expand, norm_gate_kernels)
+              for n, f in vars(m).items() if isinstance(f, triton.runtime.JITFunction)}
+
+    def variants():
+        return {n: sum(len(cache[0]) for cache in f.device_caches.values()) for n, f in jitted.items()}
+
+    H, c, dv, N = 16, 128, 128, 4
+
+    def call(lengths):
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        T = int(cu[-1])
+        ins = as_leaves(exact_in_bf16_inputs(T, H, c, dv, N, len(lengths), "cuda"), BF16)
+        o, final = sse_attention(**ins, top_k=1, cu_seqlens=cu, output_final_state=True, decay_normalizer=16.0,
+                                 impl="triton_indexed")
+        y = norm_gate(o, torch.ones(dv, device="cuda", requires_grad=True), o, eps=1e-6)
+        (y.float().sum() + final.sum()).backward()
+
+    call([5, 40])
+    before = variants()
+    for lengths in ([1], [16], [64], [1, 1, 1], [17, 64, 300, 2], [33] * 16, [1000]):
+        call(lengths)
+    after = variants()
+    assert after == before, {n: (before[n], after[n]) for n in before if after[n] != before[n]}
+
+
 def exact_in_bf16_inputs(T, H, c, dv, N, segments, device):
     """float32 inputs [1, T, ...] whose activations are exact in bf16, so one float64 reference serves every dtype.
     Key logits are distinct within each head (a permutation of a grid), so the row-sparse top-r has no ties."""

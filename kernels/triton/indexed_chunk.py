@@ -132,7 +132,10 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
             tl.store(g_s_ptr + hc, tl.where(keep, g, 0.0), mask=m)
 
 
-@triton.jit
+# Arguments that count tokens, groups or chunks (G, NC, num_slots here, L / num_segments in routing.py, R in the
+# norm gate) change with every vLLM prefill step and packed batch; specialised on being 1 or a multiple of 16 they
+# compiled a new variant for ~1 s in the middle of a rollout (bench/results/vllm_rollouts_small_compiles_20261127.md).
+@triton.jit(do_not_specialize=["G", "NC"])
 def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
                        qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, scale, QUERY: tl.constexpr,
                        BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -177,7 +180,7 @@ def _scan_load(x_ptr, decay_ptr, first, n_chunks, i, h, NC, H, C, V, cv, c, m, R
     return tl.load(x_ptr + at * C * V + cv, mask=m, other=0.0), tl.load(decay_ptr + at * C + c, mask=c < C, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC"])
 def _scan_kernel(x_ptr, out_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr, NC, H, C, V, P,
                  HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr):
     """Chains a group's chunks elementwise over a [BLOCK_C, BLOCK_V] tile of the state, in float32:
@@ -209,7 +212,7 @@ def _scan_kernel(x_ptr, out_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr,
     tl.store(last_ptr + state_at + cv, state, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G", "NC"])
 def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
                    qs_ptr, ks_ptr, gs_ptr, h_ptr, o_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -228,7 +231,7 @@ def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_pt
     tl.store(o_ptr + r[:, None] * H * V + h * V + d, o.to(o_ptr.dtype.element_ty), mask=live[:, None] & (d < V))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G", "NC"])
 def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr,
                gs_ptr, do_ptr, dh_ptr, dv_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
                BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -249,7 +252,7 @@ def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k
     tl.store(dv_ptr + r[:, None] * H * V + h * V + d, dv.to(dv_ptr.dtype.element_ty), mask=live[:, None] & (d < V))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G", "NC"])
 def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
                      qs_ptr, ks_ptr, gs_ptr, do_ptr, h_ptr, final_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, G, NC, H, C, V,
                      N, P, scale, BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -466,7 +469,7 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     return dq, dk, dv, dg, de, dqs, dks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G", "num_slots"])
 def _chunk_index_kernel(cu_ptr, chunk_first_ptr, chunk_group_ptr, G, num_slots, CHUNK_ROWS: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr):
     """chunk_first [G + 1]: chunks of the groups before each group (program 0 stores it); chunk_group: the group

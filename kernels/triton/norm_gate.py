@@ -12,7 +12,7 @@ import triton.language as tl
 ROWS = 16  # rows per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _norm_gate_fwd_kernel(o_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, R, D, eps, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -27,7 +27,7 @@ def _norm_gate_fwd_kernel(o_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, R, D, eps, BLOCK
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _norm_gate_bwd_kernel(o_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, R, D,
                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """do, dg per row; this program's share of dw (summed over programs by the caller)."""

@@ -30,7 +30,7 @@ BLOCK_T = 256  # tokens per program in the token-parallel kernels
 HIST_BLOCKS = tl.constexpr(64)  # token blocks' histograms summed per step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _route_kernel(logits_ptr, idx_ptr, hist_ptr, L, N, K: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     blk = tl.program_id(0)
@@ -71,7 +71,7 @@ def _blocks_before(hist_ptr, blk, BLOCK_N: tl.constexpr):
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def _segment_kernel(bounds_ptr, idx_ptr, hist_ptr, cu_ptr, base_ptr, seg_ptr, num_segments, N, K: tl.constexpr,
                     SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
@@ -95,7 +95,7 @@ def _segment_kernel(bounds_ptr, idx_ptr, hist_ptr, cu_ptr, base_ptr, seg_ptr, nu
         tl.store(seg_ptr + t, s, mask=t < end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, row_token_ptr, L, N,
                      K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     blk = tl.program_id(0)
