@@ -1,11 +1,13 @@
 """The engine's host work per decode step, SSE-H against Qwen3, on whatever vLLM is installed (the CPU build too).
 
-    python bench/vllm_host_profile.py SSE-H|Qwen3 [--requests 128] [--steps 65]
+    python bench/vllm_host_profile.py SSE-H|Qwen3 [--requests 128] [--steps 65] [--timers]
 
 A 12-layer model of width 64 (SSE-H: one attention layer in six, so two KV-cache groups) decodes `--steps` tokens
 for `--requests` requests in an in-process engine under cProfile; prints the scheduler's and the model runner's
 cumulative time per step (the outermost call of each name). The model is tiny so that host work, not the model,
-is what differs (docs/vllm-backend.md, "Fewer kernels per SSE layer, and a host-bound step").
+is what differs (docs/vllm-backend.md, "Fewer kernels per SSE layer, and a host-bound step"). cProfile inflates
+small Python calls; `--timers` instead wraps the same calls of this engine in wall-clock timers (no profiler) and
+also prints the whole step.
 """
 import argparse
 import cProfile
@@ -14,6 +16,7 @@ import os
 import pstats
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +30,7 @@ def main():
     p.add_argument("model", choices=["SSE-H", "Qwen3"])
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--steps", type=int, default=65)
+    p.add_argument("--timers", action="store_true", help="wall-clock timers around the calls instead of cProfile")
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -53,6 +57,8 @@ def main():
         llm.generate(prompts, params, use_tqdm=False)
 
     run(4)  # warm-up
+    if args.timers:
+        return print_timers(llm, run, args)
     profiler = cProfile.Profile()
     profiler.runcall(run, args.steps)
     stats = pstats.Stats(profiler, stream=io.StringIO()).stats
@@ -60,6 +66,32 @@ def main():
     for name in FUNCTIONS:
         total = max(v[3] for (file, _, func), v in stats.items() if f"({func})" == name and "vllm" in file)
         print(f"  {name[1:-1]:20s} {total / args.steps * 1e3:6.2f} ms per step")
+
+
+def print_timers(llm, run, args):
+    """The calls of FUNCTIONS on this engine's objects, each wrapped in a wall-clock accumulator, over one run."""
+    core = llm.llm_engine.engine_core.engine_core  # the in-process engine core
+    owners = {"schedule": core.scheduler, "update_from_output": core.scheduler,
+              "allocate_slots": core.scheduler.kv_cache_manager, "execute_model": core.model_executor}
+    totals = dict.fromkeys(owners, 0.0)
+
+    def timed(name, call):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return call(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter() - t
+        return wrapper
+    for name, owner in owners.items():
+        setattr(owner, name, timed(name, getattr(owner, name)))
+    t = time.perf_counter()
+    run(args.steps)
+    step = (time.perf_counter() - t) / args.steps
+    print(f"{args.model}, {args.requests} requests, {args.steps} decode steps, wall-clock timers:")
+    for name, total in totals.items():
+        print(f"  {name:20s} {total / args.steps * 1e3:6.2f} ms per step")
+    print(f"  {'whole step':20s} {step * 1e3:6.2f} ms")
 
 
 if __name__ == "__main__":
