@@ -69,7 +69,7 @@ def main():
 
 
 def print_timers(llm, run, args):
-    """The calls of FUNCTIONS on this engine's objects, each wrapped in a wall-clock accumulator, over one run."""
+    """The calls named in FUNCTIONS, on this engine's objects, each in a wall-clock accumulator, over one run."""
     core = llm.llm_engine.engine_core.engine_core  # the in-process engine core
     owners = {"schedule": core.scheduler, "update_from_output": core.scheduler,
               "allocate_slots": core.scheduler.kv_cache_manager, "execute_model": core.model_executor}
