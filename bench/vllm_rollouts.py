@@ -258,8 +258,8 @@ def main(argv=None):
               "| --- |" + " ---: |" * (2 * len(models) - 1)]
 
     def row(label, get, fmt, inverse=False):
-        """get(model name) -> number, or None where that model failed or did not run; `inverse`: the ratio
-        column is Qwen3's value over the model's (bytes, where less is faster)."""
+        """get(model name) -> number, or None where that model failed or did not run (its cell says which);
+        `inverse`: the ratio column is Qwen3's value over the model's (bytes, where less is faster)."""
         vals = []
         for model in models:
             try:
@@ -267,7 +267,8 @@ def main(argv=None):
             except (KeyError, TypeError):
                 vals.append(None)
         ratios = [f"{(vals[-1] / v if inverse else v / vals[-1]):.2f}" if v and vals[-1] else "" for v in vals[:-1]]
-        lines.append(f"| {label} | " + " | ".join("failed" if v is None else fmt.format(v) for v in vals)
+        missing = ["not run" if model not in results else "failed" for model in models]
+        lines.append(f"| {label} | " + " | ".join(m if v is None else fmt.format(v) for v, m in zip(vals, missing))
                      + " | " + " | ".join(ratios) + " |")
 
     row("engine start, s", lambda m: results[m]["start_s"], "{:.0f}")
