@@ -267,7 +267,8 @@ def main(argv=None):
             except (KeyError, TypeError):
                 vals.append(None)
         ratios = [f"{(vals[-1] / v if inverse else v / vals[-1]):.2f}" if v and vals[-1] else "" for v in vals[:-1]]
-        missing = ["not run" if model not in results else "failed" for model in models]
+        missing = ["not run" if model not in results else "failed" if "error" in results[model] else "n/a"
+                   for model in models]
         lines.append(f"| {label} | " + " | ".join(m if v is None else fmt.format(v) for v, m in zip(vals, missing))
                      + " | " + " | ".join(ratios) + " |")
 
