@@ -209,8 +209,6 @@ def main(argv=None):
     if args.worker:
         return worker(args)
 
-    import transformers
-    import vllm
     from transformers import AutoModelForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -225,12 +223,22 @@ def main(argv=None):
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"{name}: {e}", flush=True)
                 results[name] = dict(error=str(e)[-2000:])
+    print(write_report(results, args))
+
+
+def write_report(results: dict, args) -> str:
+    """The run's JSON and Markdown reports under `args.out` (with the models of `args.add` reports joined);
+    returns the Markdown."""
+    import transformers
+    import vllm
+
+    cfgs = configs(args.shape)
+    args.out.mkdir(parents=True, exist_ok=True)
     added = {}
     for earlier in args.add:
         for name, result in json.loads(earlier.read_text())["results"].items():
             added.setdefault(name, dict(result, from_report=earlier.name))
     results = {**added, **results}
-    args.models = [m for m in MODELS if m in results]
     now = datetime.now(timezone.utc)
     longest = PROMPT_TOKENS + max(args.lengths)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -253,7 +261,7 @@ def main(argv=None):
              f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", ""]
     lines += [f"{name} from the earlier run {result['from_report']}." for name, result in results.items()
               if "from_report" in result] + [""]
-    models = [m for m in args.models if m != "Qwen3"] + ["Qwen3"]
+    models = [m for m in MODELS if m in results and m != "Qwen3"] + ["Qwen3"]
     lines += ["| measure | " + " | ".join(models) + " | " + " | ".join(f"{m} / Qwen3" for m in models[:-1]) + " |",
               "| --- |" + " ---: |" * (2 * len(models) - 1)]
 
@@ -296,8 +304,9 @@ def main(argv=None):
              f"outputs (longest {w['longest_ms']:.0f} ms) of {results[m]['speed'][n]['seconds']:.1f} s"
              for m in models for n, w in results.get(m, {}).get("engine_steps", {}).items()]
     lines += [""] + steps if steps else []
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    markdown = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(markdown)
+    return markdown
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""bench/vllm_rollouts.py: the report the rollout ratios come from, and its engine-step parser (the runs themselves
+need a GPU node)."""
+import argparse
+import json
+
+from bench import vllm_rollouts
+
+
+def run_args(out, **changes):
+    return argparse.Namespace(**{**dict(shape="small", lengths=[1024], prompts=32, prompts_long=32, long_from=1 << 30,
+                                        n=8, engine="{}", out=out, add=[]), **changes})
+
+
+def result(tokens_per_s, held=1000.0):
+    return dict(start_s=80.0, max_concurrency=held,
+                speed={"1024": dict(prompts=32, tokens_per_s=tokens_per_s, seconds=32 * 8 * 1024 / tokens_per_s,
+                                    prefill_s=0.2, decode_tokens_per_s=tokens_per_s)},
+                engine_steps={"1024": dict(steps=1025, waited_s=0.1, longest_ms=2.0)})
+
+
+def cells(markdown, label):
+    row = next(line for line in markdown.splitlines() if line.startswith(f"| {label}"))
+    return [c.strip() for c in row.strip("|").split("|")][1:]
+
+
+def test_ratios_to_qwen3_and_the_json_beside(tmp_path):
+    markdown = vllm_rollouts.write_report({"SSE-H": result(10_000.0), "Qwen3": result(20_000.0)}, run_args(tmp_path))
+    assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["10,000", "20,000", "0.50"]
+    # bytes: the ratio is Qwen3's over SSE-H's, and SSE-H moves fewer per token at this size
+    assert float(cells(markdown, "  decode MB moved per token")[2]) > 1
+    assert "- SSE-H, 1024 new tokens: 1025 engine steps; the engine waited 0.1 s" in markdown
+    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    assert json.loads(saved.read_text())["results"]["Qwen3"]["speed"]["1024"]["tokens_per_s"] == 20_000.0
+
+
+def test_a_model_that_failed_did_not_run_or_lacks_a_figure_is_said_so(tmp_path):
+    failed = vllm_rollouts.write_report({"SSE-H": result(10_000.0, held=None), "Qwen3": dict(error="exit 1")},
+                                        run_args(tmp_path))
+    assert cells(failed, "engine start, s") == ["80", "failed", ""]
+    assert cells(failed, "max concurrent sequences")[:2] == ["n/a", "failed"]
+    alone = vllm_rollouts.write_report({"SSE-H": result(10_000.0)}, run_args(tmp_path))
+    assert cells(alone, "output tokens/s, 32 prompts x 8 x 1024") == ["10,000", "not run", ""]
+
+
+def test_an_earlier_report_joins_the_table(tmp_path):
+    vllm_rollouts.write_report({"Qwen3": result(20_000.0)}, run_args(tmp_path / "a"))
+    (earlier,) = (tmp_path / "a").glob("*.json")
+    markdown = vllm_rollouts.write_report({"SSE-H": result(30_000.0)}, run_args(tmp_path / "b", add=[earlier]))
+    assert f"Qwen3 from the earlier run {earlier.name}." in markdown
+    assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["30,000", "20,000", "1.50"]
+
+
+def test_engine_steps_are_counted_between_the_timed_markers():
+    log = "\n".join(["iteration elapsed time: 9.0 ms",  # warm-up: outside the markers
+                     "TIMED 1024 begin", "x iteration elapsed time: 1.5 ms", "y iteration elapsed time: 0.5 ms",
+                     "TIMED 1024 end", "iteration elapsed time: 7.0 ms"])
+    assert vllm_rollouts.step_waits(log) == {"1024": dict(steps=2, waited_s=0.002, longest_ms=1.5)}
