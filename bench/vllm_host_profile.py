@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-FUNCTIONS = ["(schedule)", "(allocate_slots)", "(update_from_output)", "(execute_model)"]
+FUNCTIONS = ["schedule", "allocate_slots", "update_from_output", "execute_model"]
 
 
 def main():
@@ -64,16 +64,16 @@ def main():
     stats = pstats.Stats(profiler, stream=io.StringIO()).stats
     print(f"{args.model}, {args.requests} requests, {args.steps} decode steps, under cProfile:")
     for name in FUNCTIONS:
-        total = max(v[3] for (file, _, func), v in stats.items() if f"({func})" == name and "vllm" in file)
-        print(f"  {name[1:-1]:20s} {total / args.steps * 1e3:6.2f} ms per step")
+        total = max(v[3] for (file, _, func), v in stats.items() if func == name and "vllm" in file)
+        print(f"  {name:20s} {total / args.steps * 1e3:6.2f} ms per step")
 
 
 def print_timers(llm, run, args):
     """The calls named in FUNCTIONS, on this engine's objects, each in a wall-clock accumulator, over one run."""
     core = llm.llm_engine.engine_core.engine_core  # the in-process engine core
-    owners = {"schedule": core.scheduler, "update_from_output": core.scheduler,
-              "allocate_slots": core.scheduler.kv_cache_manager, "execute_model": core.model_executor}
-    totals = dict.fromkeys(owners, 0.0)
+    owner = {"schedule": core.scheduler, "update_from_output": core.scheduler,
+             "allocate_slots": core.scheduler.kv_cache_manager, "execute_model": core.model_executor}
+    totals = dict.fromkeys(FUNCTIONS, 0.0)
 
     def timed(name, call):
         def wrapper(*a, **kw):
@@ -83,8 +83,8 @@ def print_timers(llm, run, args):
             finally:
                 totals[name] += time.perf_counter() - t
         return wrapper
-    for name, owner in owners.items():
-        setattr(owner, name, timed(name, getattr(owner, name)))
+    for name in FUNCTIONS:
+        setattr(owner[name], name, timed(name, getattr(owner[name], name)))
     t = time.perf_counter()
     run(args.steps)
     step = (time.perf_counter() - t) / args.steps
