@@ -4,9 +4,10 @@
 
 Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v = 128, bf16 inputs and decay
 logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
-traffic (the two touched states, read and written). `sse_decode_triton` uses the launch this sweep found best on an
-H100, before and after the decay was fused into the kernel (a 32 KB state tile per program, 4 warps;
-bench/results/sse_decode_launch_20261124{,b}.md); rerun it on a new GPU kind before changing that rule.
+traffic (the two touched states, read and written), after the GPU's device-to-device copy of as many bytes (the
+JSON's rows with BLOCK_V 0). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB state
+tile per program, 4 warps; bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md); rerun it on a new GPU
+kind before changing that rule.
 """
 import argparse
 import json
@@ -59,6 +60,16 @@ def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float
     return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 
+def copy_row(batch, H, c, dv, dtype) -> dict:
+    """The GPU's device-to-device copy of as many bytes as one decode step touches, read and written: the
+    bandwidth the kernel is held against, measured in the same run."""
+    src = torch.randn(batch * H * 2 * c * dv, device="cuda").to(dtype)
+    dst = torch.empty_like(src)
+    ms = replay_ms(lambda: dst.copy_(src))
+    return dict(dtype=str(dtype).split(".")[1], block_v=0, warps=0, us=ms * 1e3,
+                gbs=2 * src.numel() * src.element_size() / ms / 1e6)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
@@ -67,6 +78,9 @@ def main():
     args = p.parse_args()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
+        rows.append(copy_row(args.batch, args.heads, 128, 128, dtype))
+        print(f"{rows[-1]['dtype']:9s} copy of the same bytes:   {rows[-1]['us']:7.1f} us {rows[-1]['gbs']:6.0f} GB/s",
+              flush=True)
         for block_v in (16, 32, 64, 128):
             for warps in (2, 4, 8):
                 us, gbs = time_launch(args.batch, args.heads, 4, 128, 128, dtype, block_v, warps)
