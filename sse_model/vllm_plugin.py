@@ -19,8 +19,13 @@ def register() -> None:
 
     AutoConfig.register(SSEConfig.model_type, SSEConfig, exist_ok=True)
     if "SSEForCausalLM" not in ModelRegistry.get_supported_archs():
-        # Lazy "module:class" form: vLLM imports the model only where it builds it.
-        ModelRegistry.register_model("SSEForCausalLM", "sse_model.vllm_model:SSEForCausalLM")
+        # The class itself, not the lazy "module:class" form: vLLM inspects a lazily registered model in a fresh
+        # Python subprocess the first time on each machine (then caches it under VLLM_CACHE_ROOT/modelinfos),
+        # which took 20-27 s of an engine's start on a fresh GPU node. By the time plugins load, vLLM has
+        # imported everything the model module imports, so importing it here takes ~10 ms and no CUDA.
+        from sse_model.vllm_model import SSEForCausalLM
+
+        ModelRegistry.register_model("SSEForCausalLM", SSEForCausalLM)
     MODELS_CONFIG_MAP.setdefault("SSEForCausalLM", SSEEngineConfig)  # engine defaults for SSE states
     if current_platform.is_cpu():
         rewind_seeded_generators_on_cpu()

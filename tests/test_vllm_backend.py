@@ -327,6 +327,21 @@ def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
     assert out.stdout.strip().splitlines()[-1] == "1", out.stderr[-2000:]
 
 
+def test_model_inspection_needs_no_subprocess(tmp_path):
+    """vLLM inspects a lazily registered model class in a fresh Python subprocess the first time on a machine
+    (20-27 s of a fresh GPU node's engine start); the plugin registers the class itself, so with an empty vLLM
+    cache the inspection runs in-process and says the model is a hybrid with inner state."""
+    code = ("from vllm.model_executor.models import registry; from sse_model.vllm_plugin import register; "
+            "register()\n"
+            "def refuse(fn): raise AssertionError('model inspection started a subprocess')\n"
+            "registry._run_in_subprocess = refuse\n"
+            "info = registry.ModelRegistry.models['SSEForCausalLM'].inspect_model_cls()\n"
+            "print(info.is_hybrid, info.has_inner_state)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
 def engine_config(layer_types, max_num_seqs=1024, **cache):
     """The parts of a VllmConfig the engine-defaults hook reads: a 1B-class SSE-H (16 heads, n4k1 + shared)."""
     from types import SimpleNamespace
