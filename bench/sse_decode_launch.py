@@ -6,8 +6,8 @@ Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v 
 logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
 traffic (the two touched states, read and written), after the GPU's device-to-device copy of as many bytes (the
 JSON's rows with BLOCK_V 0). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB state
-tile per program, 4 warps; bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md); rerun it on a new GPU
-kind before changing that rule.
+tile per program, 4 warps; bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md);
+rerun it on a new GPU kind before changing that rule.
 """
 import argparse
 import json

@@ -21,7 +21,7 @@ def register() -> None:
     if "SSEForCausalLM" not in ModelRegistry.get_supported_archs():
         # The class itself, not the lazy "module:class" form: vLLM inspects a lazily registered model in a fresh
         # Python subprocess the first time on each machine (then caches it under VLLM_CACHE_ROOT/modelinfos),
-        # which took 20-27 s of an engine's start on a fresh GPU node. By the time plugins load, vLLM has
+        # which took 25-27 s of an engine's start on a fresh GPU node. By the time plugins load, vLLM has
         # imported everything the model module imports, so importing it here takes ~10 ms and no CUDA.
         from sse_model.vllm_model import SSEForCausalLM
 

@@ -329,7 +329,7 @@ def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
 
 def test_model_inspection_needs_no_subprocess(tmp_path):
     """vLLM inspects a lazily registered model class in a fresh Python subprocess the first time on a machine
-    (20-27 s of a fresh GPU node's engine start); the plugin registers the class itself, so with an empty vLLM
+    (25-27 s of a fresh GPU node's engine start); the plugin registers the class itself, so with an empty vLLM
     cache the inspection runs in-process and says the model is a hybrid with inner state."""
     code = ("from vllm.model_executor.models import registry; from sse_model.vllm_plugin import register; "
             "register()\n"
