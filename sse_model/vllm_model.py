@@ -1,7 +1,8 @@
 """SSE-H for vLLM: Sparse State Expansion layers with per-request state slots, plus paged softmax attention.
 
 Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
-parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj` / `narrow_proj`.
+parameter names are the Hugging Face ones except the stacked `qkv_proj` / `qkvg_proj` / `gate_up_proj` / `narrow_proj` /
+`low_rank_up` (`STACKED_PARAMS`).
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
 holds the states [layers, H, N + shared, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
@@ -22,7 +24,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -62,31 +64,66 @@ from sse_model.vllm_engine_config import state_dtype
 PREFILL_STATE_COPIES = 4
 PREFILL_STATES_BYTES = 1 << 30
 
-# (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint.
+# (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint. The first match
+# wins, so the SSE layer's q/k/v (stacked with its gate) come before the attention layer's.
 STACKED_PARAMS = [
+    ("linear_attn.qkvg_proj", "linear_attn.q_proj", 0),
+    ("linear_attn.qkvg_proj", "linear_attn.k_proj", 1),
+    ("linear_attn.qkvg_proj", "linear_attn.v_proj", 2),
+    ("linear_attn.qkvg_proj", "linear_attn.g_proj", 3),
     (".qkv_proj", ".q_proj", "q"),
     (".qkv_proj", ".k_proj", "k"),
     (".qkv_proj", ".v_proj", "v"),
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
-    (".narrow_proj", ".router", 0),
-    (".narrow_proj", ".decay_down", 1),
-    (".narrow_proj", ".q_shared_down", 2),
-    (".narrow_proj", ".k_shared_down", 3),
+    (".narrow_proj", ".decay_down", 0),
+    (".narrow_proj", ".q_shared_down", 1),
+    (".narrow_proj", ".k_shared_down", 2),
+    (".narrow_proj", ".router", -1),
+    (".low_rank_up", ".decay_up", 0),
+    (".low_rank_up", ".q_shared_up", 1),
+    (".low_rank_up", ".k_shared_up", 2),
 ]
 
 
 class MergedReplicatedLinear(ReplicatedLinear):
     """Several projections of one input, replicated on every rank, as one GEMM; a checkpoint tensor loads into
-    its rows by shard index. (vLLM merges column-parallel projections, not replicated ones.)"""
+    its rows by shard index (-1: the last). (vLLM merges column-parallel projections, not replicated ones.) The
+    output is padded with zero columns to a multiple of 8: at an odd width Inductor padded a copy of the weight
+    on every call."""
 
     def __init__(self, input_size: int, output_sizes: list[int], *, prefix: str):
-        self.output_sizes = output_sizes  # read by ReplicatedLinear to create the weight
-        super().__init__(input_size, sum(output_sizes), bias=False, prefix=prefix)
+        self.output_sizes = output_sizes[:-1] + [output_sizes[-1] + -sum(output_sizes) % 8]  # the last takes the pad
+        super().__init__(input_size, sum(self.output_sizes), bias=False, prefix=prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
-        start = sum(self.output_sizes[:loaded_shard_id])
-        param.data[start:start + self.output_sizes[loaded_shard_id]].copy_(loaded_weight)
+        shard = loaded_shard_id % len(self.output_sizes)
+        start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+        # One copy of the shard's rows and their zero padding, so a reload (which counts copied elements) sees the
+        # whole weight loaded.
+        param.data[start:start + size].copy_(F.pad(loaded_weight, (0, 0, 0, size - loaded_weight.shape[0])))
+
+
+class MergedColumnLinear(MergedColumnParallelLinear):
+    """vLLM's stacked column-parallel projections (one GEMM) with two additions: parts whose checkpoint has no bias
+    (`biased` False) get a zero one, written when their weight loads so that a reload writes it too; and with
+    `input_sizes`, part i reads only its own slice of the input (a block-diagonal weight: the low-rank
+    up-projections, each from its code, as one GEMM instead of three)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], biased: list[bool], *, prefix: str,
+                 input_sizes: list[int] | None = None):
+        self.input_sizes = input_sizes
+        self.biased = biased
+        super().__init__(input_size, output_sizes, bias=any(biased), prefix=prefix)
+
+    def weight_loader_v2(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
+        """The weight's loader (vLLM loads the bias with `weight_loader`)."""
+        if self.input_sizes:
+            start = sum(self.input_sizes[:loaded_shard_id])
+            loaded_weight = F.pad(loaded_weight, (start, self.input_size - start - loaded_weight.shape[1]))
+        super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
+        if self.bias is not None and not self.biased[loaded_shard_id]:
+            self.weight_loader(self.bias, loaded_weight.new_zeros(loaded_weight.shape[0]), loaded_shard_id)
 
 
 def state_groups(config: SSEConfig) -> list[list[int]]:
@@ -271,21 +308,26 @@ class SSELinearAttention(nn.Module):
         if self.state_row == 0:
             self.states = SSEStates(sse_state_shape(config, tp), self.states_name)
         self.num_heads, self.value_dim = H // tp, dv
-        # Names as in the HF SSELayer (q/k/v and the narrow projections stacked); head-sized outputs split over
-        # tensor-parallel ranks, the narrow ones replicated.
-        self.qkv_proj = QKVParallelLinear(D, c, H, H, bias=config.sse_qkv_bias, v_head_size=dv,
-                                          prefix=f"{prefix}.qkv_proj")
-        # The narrow projections of x (router logits; the low-rank codes of the decay and of the shared
-        # partition's q and k) are one GEMM: as four, each was a launch of its own for a few columns per decode step.
+        # The HF SSELayer's projections, stacked: head-sized outputs split over tensor-parallel ranks, the narrow
+        # ones replicated. q, k, v and the output gate's logits are one GEMM, as are the three low-rank
+        # up-projections (decay, and the shared partition's q and k terms): apart, in a 1.5B decode step, the gate
+        # and up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time, for a few MB each
+        # (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md).
+        qkv_bias = config.sse_qkv_bias
+        self.qkvg_sizes = [self.num_heads * c, self.num_heads * c, self.num_heads * dv, self.num_heads * dv]
+        self.qkvg_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv],
+                                            [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias],
+                                            prefix=f"{prefix}.qkvg_proj")
+        # The narrow projections of x (the low-rank codes of the decay and of the shared partition's q and k; the
+        # router logits last) are one GEMM too, replicated on every rank.
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
         r = config.sse_lora_rank
-        self.narrow_sizes = [config.sse_num_partitions, config.sse_decay_rank] + ([r, r] if self.lora else [])
-        self.narrow_proj = MergedReplicatedLinear(D, self.narrow_sizes, prefix=f"{prefix}.narrow_proj")
-        self.decay_up = ColumnParallelLinear(config.sse_decay_rank, H * c, bias=True, prefix=f"{prefix}.decay_up")
-        if self.lora:
-            self.q_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.q_shared_up")
-            self.k_shared_up = ColumnParallelLinear(r, H * c, bias=False, prefix=f"{prefix}.k_shared_up")
-        self.g_proj = ColumnParallelLinear(D, H * dv, bias=config.sse_gate_bias, prefix=f"{prefix}.g_proj")
+        code_sizes = [config.sse_decay_rank] + ([r, r] if self.lora else [])
+        self.narrow_proj = MergedReplicatedLinear(D, code_sizes + [config.sse_num_partitions],
+                                                  prefix=f"{prefix}.narrow_proj")
+        self.codes = sum(code_sizes)
+        self.low_rank_up = MergedColumnLinear(self.codes, [H * c] * len(code_sizes), [True] + [False] * self.lora * 2,
+                                              input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
         # Packed operator inputs, in model dtype: q, k, v, decay logits, router logits, [q_shared, k_shared].
@@ -309,18 +351,15 @@ class SSELinearAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The HF `SSELayer.forward` on vLLM's batch layout: x [T, D] -> [T, D]."""
         T = hidden_states.shape[0]
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, _ = qkv.split(self.packed_sizes[:3], -1)
-        router, decay_code, *shared_codes = self.narrow_proj(hidden_states)[0].split(self.narrow_sizes, -1)
-        decay, _ = self.decay_up(decay_code)
-        packed = [qkv, decay, router]
+        q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_sizes, -1)
+        narrow = self.narrow_proj(hidden_states)[0]
+        router = narrow[:, self.codes:self.codes + self.config.sse_num_partitions]
+        decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].split(self.packed_sizes[0], -1)
+        packed = [q, k, v, decay, router]
         if self.config.sse_shared_partition:
-            packed += sse_math.shared_partition_qk(
-                q, k, self.q_shared_up(shared_codes[0])[0] if self.lora else None,
-                self.k_shared_up(shared_codes[1])[0] if self.lora else None)
+            packed += sse_math.shared_partition_qk(q, k, *(lora or [None, None]))
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
         torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
-        gate, _ = self.g_proj(hidden_states)
         out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
         return out
 
@@ -427,7 +466,10 @@ class SSEModel(nn.Module):
 
 
 class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+                              "qkvg_proj": ["q_proj", "k_proj", "v_proj", "g_proj"],
+                              "narrow_proj": ["decay_down", "q_shared_down", "k_shared_down", "router"],
+                              "low_rank_up": ["decay_up", "q_shared_up", "k_shared_up"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

@@ -68,10 +68,18 @@ def _serve(read_fd: int, write_fd: int) -> None:
     """Worker main loop: engines by name, HF twins (kept equal to what was pushed) for the parity probe."""
     torch.set_num_threads(1)  # in-process engines share the process; on 2 cores 2 OpenMP threads thrash
     from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader.reload import meta
 
     from sse_model import vllm_model
     from sse_model.vllm_plugin import register
     from sse_model.vllm_sync import logprob_parity, push_weights
+
+    # A reload materialises parameters uninitialised; make them NaN, so an element no loader writes (a zero bias
+    # of a stacked projection, the zeros of a block-diagonal weight, padding) fails the parity checks every time
+    # instead of passing whenever the memory happened to hold zeros.
+    materialize = meta.materialize_meta_tensor
+    meta.materialize_meta_tensor = lambda t: materialize(t).fill_(float("nan")) if t.is_floating_point() \
+        else materialize(t)
 
     # Prefill groups of 3 sequences for n4k1 (N + shared = 5 partitions), 1 for n8k2, 15 for gla: every
     # multi-prompt batch below is split into groups of sequences, as GPU engines split their big prefill batches.
@@ -579,6 +587,17 @@ def test_push_weights_reloads_every_group(worker, hf, group):
         prompts = prompts_for(hf[name].config.vocab_size, seed=6)
         ours = worker("generate", name, prompts, greedy())
         assert_matches_hf_greedy(ours, hf[name], prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["n8k2_row_sparse", "gla"])
+def test_push_weights_into_stacked_projections_with_parts_lacking_a_bias(worker, hf, name):
+    """n8k2: q/k/v with biases stacked with an output gate without one; gla: no shared partition, so the
+    low-rank up-projection is the decay's alone. Reloaded parameters start as NaN (the worker), so every element
+    of the stacked weights and biases must be written by the push."""
+    name = worker.engine(name)
+    probe, = prompts_for(hf[name].config.vocab_size, lengths=(48,), seed=5)
+    stale, fresh = perturb_and_push(worker, hf[name], name, "sse_projections", probe, seed=2)
+    assert stale > 100 * TOL and fresh < TOL
 
 
 def test_push_weights_with_tied_embeddings(worker, hf):
