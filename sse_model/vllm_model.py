@@ -330,10 +330,13 @@ class SSELinearAttention(nn.Module):
                                               input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
-        # Packed operator inputs, in model dtype: q, k, v, decay logits, router logits, [q_shared, k_shared].
+        # Packed operator inputs, in model dtype: q, k, v, decay logits, [q_shared, k_shared], then the router
+        # logits with the narrow projection's zero padding, last, so that every wide part starts 16-byte aligned
+        # (with the router fourth the parts after it were not, and the kernel packing them moved its ~12 MB in
+        # 14 us in a 1.5B decode step, bench/results/vllm_decode_profile_1b_SSE-H_20261127b.md).
         Hc = self.num_heads * c
-        self.packed_sizes = [Hc, Hc, self.num_heads * dv, Hc, config.sse_num_partitions]
-        self.packed_sizes += [Hc, Hc] if config.sse_shared_partition else []
+        self.packed_sizes = [Hc, Hc, self.num_heads * dv, Hc] + ([Hc, Hc] if config.sse_shared_partition else [])
+        self.packed_sizes.append(self.narrow_proj.output_size - self.codes)
         self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
                         decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
@@ -353,11 +356,11 @@ class SSELinearAttention(nn.Module):
         T = hidden_states.shape[0]
         q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_sizes, -1)
         narrow = self.narrow_proj(hidden_states)[0]
-        router = narrow[:, self.codes:self.codes + self.config.sse_num_partitions]
         decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].split(self.packed_sizes[0], -1)
-        packed = [q, k, v, decay, router]
+        packed = [q, k, v, decay]
         if self.config.sse_shared_partition:
             packed += sse_math.shared_partition_qk(q, k, *(lora or [None, None]))
+        packed.append(narrow[:, self.codes:])  # the router logits and zero padding
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
         torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
         out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
@@ -382,9 +385,9 @@ class SSELinearAttention(nn.Module):
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
         inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), log_decay=heads(parts[3]),
-                      router_logits=parts[4])
+                      router_logits=parts[-1][:, :self.config.sse_num_partitions])
         if self.config.sse_shared_partition:
-            inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[5]), heads(parts[6])
+            inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[4]), heads(parts[5])
         self._recur(inputs, metadata, state, output)
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
