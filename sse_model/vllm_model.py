@@ -326,7 +326,8 @@ class SSELinearAttention(nn.Module):
         self.narrow_proj = MergedReplicatedLinear(D, code_sizes + [config.sse_num_partitions],
                                                   prefix=f"{prefix}.narrow_proj")
         self.codes = sum(code_sizes)
-        self.low_rank_up = MergedColumnLinear(self.codes, [H * c] * len(code_sizes), [True] + [False] * self.lora * 2,
+        self.low_rank_up = MergedColumnLinear(self.codes, [H * c] * len(code_sizes),
+                                              [True] + [False] * (len(code_sizes) - 1),  # only decay_up has a bias
                                               input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
@@ -356,7 +357,7 @@ class SSELinearAttention(nn.Module):
         T = hidden_states.shape[0]
         q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_sizes, -1)
         narrow = self.narrow_proj(hidden_states)[0]
-        decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].split(self.packed_sizes[0], -1)
+        decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].chunk(len(self.low_rank_up.output_sizes), -1)
         packed = [q, k, v, decay]
         if self.config.sse_shared_partition:
             packed += sse_math.shared_partition_qk(q, k, *(lora or [None, None]))
