@@ -314,7 +314,6 @@ class SSELinearAttention(nn.Module):
         # and up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time, for a few MB each
         # (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md).
         qkv_bias = config.sse_qkv_bias
-        self.qkvg_sizes = [self.num_heads * c, self.num_heads * c, self.num_heads * dv, self.num_heads * dv]
         self.qkvg_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv],
                                             [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias],
                                             prefix=f"{prefix}.qkvg_proj")
@@ -355,7 +354,7 @@ class SSELinearAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The HF `SSELayer.forward` on vLLM's batch layout: x [T, D] -> [T, D]."""
         T = hidden_states.shape[0]
-        q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_sizes, -1)
+        q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_proj.output_partition_sizes, -1)
         narrow = self.narrow_proj(hidden_states)[0]
         decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].chunk(len(self.low_rank_up.output_sizes), -1)
         packed = [q, k, v, decay]

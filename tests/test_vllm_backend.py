@@ -78,8 +78,11 @@ def _serve(read_fd: int, write_fd: int) -> None:
     # of a stacked projection, the zeros of a block-diagonal weight, padding) fails the parity checks every time
     # instead of passing whenever the memory happened to hold zeros.
     materialize = meta.materialize_meta_tensor
-    meta.materialize_meta_tensor = lambda t: materialize(t).fill_(float("nan")) if t.is_floating_point() \
-        else materialize(t)
+
+    def materialize_as_nan(meta_tensor):
+        tensor = materialize(meta_tensor)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+    meta.materialize_meta_tensor = materialize_as_nan
 
     # Prefill groups of 3 sequences for n4k1 (N + shared = 5 partitions), 1 for n8k2, 15 for gla: every
     # multi-prompt batch below is split into groups of sequences, as GPU engines split their big prefill batches.
