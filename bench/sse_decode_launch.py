@@ -1,18 +1,22 @@
-"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x warps, for float32 and bfloat16 state caches.
+"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x warps, for float32 and bfloat16 state caches;
+and the GPU's own streaming bandwidth at several sizes.
 
     python bench/sse_decode_launch.py [--batch 256] [--heads 16] [--out bench/results]
 
 Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v = 128, bf16 inputs and decay
 logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
-traffic (the two touched states, read and written), after the GPU's device-to-device copy of as many bytes (the
-JSON's rows with BLOCK_V 0). `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB state
-tile per program, 4 warps; bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md);
-rerun it on a new GPU kind before changing that rule.
+traffic (the two touched states, read and written), after the GPU's in-place scale of as many bytes (`x.mul_`:
+every byte read and written back where it was, as the kernel updates its states; the JSON's rows with BLOCK_V 0).
+Then a device-to-device copy and the in-place scale from 64 MiB to 2 GiB (the JSON's `bandwidth`).
+`sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB state tile per program, 4 warps;
+bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md); rerun it on a new GPU kind
+before changing that rule.
 """
 import argparse
 import json
 import sys
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,14 +64,28 @@ def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float
     return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 
-def copy_row(batch, H, c, dv, dtype) -> dict:
-    """The GPU's device-to-device copy of as many bytes as one decode step touches, read and written: the
-    bandwidth the kernel is held against, measured in the same run."""
-    src = torch.randn(batch * H * 2 * c * dv, device="cuda").to(dtype)
-    dst = torch.empty_like(src)
-    ms = replay_ms(lambda: dst.copy_(src))
+def reference_row(batch, H, c, dv, dtype) -> dict:
+    """The GPU's in-place scale of as many bytes as one decode step touches, each read and written back where it
+    was: the bandwidth the kernel is held against, measured in the same run. (A device-to-device copy is no such
+    reference: at power-of-two sizes from 512 MiB it ran at 2.4 TB/s where the in-place scale ran at 3.0,
+    bench/results/sse_decode_bandwidth_20261127.md.)"""
+    x = torch.ones(batch * H * 2 * c * dv, device="cuda", dtype=dtype)
+    ms = replay_ms(partial(x.mul_, 1.0))
     return dict(dtype=str(dtype).split(".")[1], block_v=0, warps=0, us=ms * 1e3,
-                gbs=2 * src.numel() * src.element_size() / ms / 1e6)
+                gbs=2 * x.numel() * x.element_size() / ms / 1e6)
+
+
+def stream_rows(mib_sizes=(64, 128, 256, 384, 512, 768, 1024, 2048)) -> list[dict]:
+    """GB/s (read + written) of a device-to-device copy of MiB bytes and of an in-place scale of them."""
+    rows = []
+    for mib in mib_sizes:
+        src = torch.ones(mib << 18, device="cuda")  # float32: MiB * 2**20 / 4 elements
+        dst = torch.empty_like(src)
+        for op, step in (("copy", partial(dst.copy_, src)), ("in-place scale", partial(src.mul_, 1.0))):
+            ms = replay_ms(step)
+            rows.append(dict(op=op, mib=mib, us=ms * 1e3, gbs=2 * (mib << 20) / ms / 1e6))
+            print(f"{op:15s} {mib:5d} MiB: {rows[-1]['us']:8.1f} us {rows[-1]['gbs']:6.0f} GB/s", flush=True)
+    return rows
 
 
 def main():
@@ -78,19 +96,20 @@ def main():
     args = p.parse_args()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        rows.append(copy_row(args.batch, args.heads, 128, 128, dtype))
-        print(f"{rows[-1]['dtype']:9s} copy of the same bytes:   {rows[-1]['us']:7.1f} us {rows[-1]['gbs']:6.0f} GB/s",
-              flush=True)
+        rows.append(reference_row(args.batch, args.heads, 128, 128, dtype))
+        print(f"{rows[-1]['dtype']:9s} in-place scale of the same bytes: {rows[-1]['us']:6.1f} us "
+              f"{rows[-1]['gbs']:6.0f} GB/s", flush=True)
         for block_v in (16, 32, 64, 128):
             for warps in (2, 4, 8):
                 us, gbs = time_launch(args.batch, args.heads, 4, 128, 128, dtype, block_v, warps)
                 rows.append(dict(dtype=str(dtype).split(".")[1], block_v=block_v, warps=warps, us=us, gbs=gbs))
                 print(f"{rows[-1]['dtype']:9s} BLOCK_V {block_v:3d} warps {warps}: {us:7.1f} us {gbs:6.0f} GB/s",
                       flush=True)
+    bandwidth = stream_rows()
     now = datetime.now(timezone.utc)
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(), batch=args.batch,
-                  heads=args.heads, rows=rows)
+                  heads=args.heads, rows=rows, bandwidth=bandwidth)
     (args.out / f"sse_decode_launch_{now:%Y%m%d}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 

@@ -115,17 +115,20 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
 
 
 def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-               k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None, impl="auto"):
+               k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None, shared_lora=False,
+               impl="auto"):
     """One token per sequence; updates rows `slot_ids` of `state` [num_slots, H, N + shared, c, d_v] in place.
     Returns o [B, H, d_v], written into `out` [B, H, d_v] when given (the Triton kernel writes it directly).
-    With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer."""
+    With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer.
+    With `shared_lora`, q_shared and k_shared_logits are low-rank terms added to q and k_logits (sse_decode_torch)."""
     if impl == "auto":
         impl = "triton" if state.device.type == "cuda" and _installed("triton") else "torch"
     if impl not in DECODE_IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE decode implementation {impl!r}; known: {sorted(DECODE_IMPLEMENTATIONS)}")
     return DECODE_IMPLEMENTATIONS[impl](state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                         q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
-                                        scale=scale, out=out, decay_normalizer=decay_normalizer)
+                                        scale=scale, out=out, decay_normalizer=decay_normalizer,
+                                        shared_lora=shared_lora)
 
 
 def norm_gate(o, weight, gate, *, eps, impl="auto"):

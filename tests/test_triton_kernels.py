@@ -502,13 +502,17 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     assert torch.equal(cache[untouched], state[untouched]), "slots outside the batch changed"
 
 
+@pytest.mark.parametrize("shared_lora", [False, True], ids=["shared-given", "shared-lora"])
 @pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay):
+def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay, shared_lora):
     """The vLLM layout: every input a view into one packed [B, width] projection buffer (token stride = width),
     the output rows of a larger buffer, and (as vLLM passes them) raw decay logits with `decay_normalizer`. Same
     result as contiguous float64 inputs with log a = logsigmoid(x) / 16 given, written in place, nothing else
-    touched. The decay logits run from -30 to 30 (both branches of the kernel's logsigmoid)."""
+    touched. The decay logits run from -30 to 30 (both branches of the kernel's logsigmoid). With `shared_lora`
+    the shared partition's views are low-rank terms, added to q and k for the expected result; they and q, k are
+    multiples of 1/4 there, so the sums are exact in bfloat16 (Triton's interpreter rounds a float32 to bfloat16
+    towards zero, the GPU to nearest)."""
     from kernels import sse_decode
     H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
     N, K, B = 4, 2, 5
@@ -523,14 +527,21 @@ def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay):
     fused = dict(decay_normalizer=16.0) if decay == "logits" else {}
     if not fused:
         views["log_decay"] = log_decay.float()
+    if shared_lora:
+        for name in ("q", "k_logits", "q_shared", "k_shared_logits"):
+            views[name].copy_(torch.randint(-16, 16, views[name].shape, device=device) / 4)
     assert not views["q"].is_contiguous()
     state = torch.randn(8, H, N + 1, c, dv, device=device, dtype=torch.float64)
     expect_state = state.clone()
     given = {n: x.double().contiguous() for n, x in views.items()} | dict(log_decay=log_decay)
+    if shared_lora:
+        given["q_shared"] = (views["q"] + views["q_shared"]).double()
+        given["k_shared_logits"] = (views["k_logits"] + views["k_shared_logits"]).double()
     expect = sse_decode(expect_state, slots, **given, top_k=K, impl="torch")
     state = state.float()
     buffer = torch.full((B + 2, H, dv), 7.0, device=device, dtype=packed.dtype)
-    returned = sse_decode(state, slots, **views, top_k=K, out=buffer[1:B + 1], impl=impl, **fused)
+    returned = sse_decode(state, slots, **views, top_k=K, out=buffer[1:B + 1], impl=impl, shared_lora=shared_lora,
+                          **fused)
     assert returned.data_ptr() == buffer[1].data_ptr()
     errors = {"o": rel_err(buffer[1:B + 1], expect), "state": rel_err(state, expect_state)}
     assert errors["state"] < 1e-5 and errors["o"] < (1e-5 if packed.dtype == F32 else 1e-2), errors

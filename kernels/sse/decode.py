@@ -9,13 +9,19 @@ from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
 
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
-                     k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None):
+                     k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
+                     shared_lora=False):
     """state [num_slots, H, N + shared, c, d_v] (float32, float64, or bfloat16, updated in place); q, k_logits,
     log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
     Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given. The step is computed
     in float32 at least (float64 for a float64 state); a bfloat16 state is rounded once, when it is written back,
     as the Triton kernel does. With `decay_normalizer`, `log_decay` holds the decay logits x and the step uses
-    log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in vLLM)."""
+    log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in vLLM).
+    With `shared_lora`, q_shared and k_shared_logits are the low-rank terms of the shared partition's q and key
+    logits, which are q + q_shared and k_logits + k_shared_logits added in the inputs' dtype, as the models add
+    them (the Triton kernel adds them itself: vLLM passes the up-projection's output as it is)."""
+    if shared_lora and q_shared is not None:
+        q_shared, k_shared_logits = q + q_shared, k_logits + k_shared_logits
     if decay_normalizer is not None:
         log_decay = log_decay_from_logits(log_decay.to(torch.promote_types(state.dtype, log_decay.dtype)),
                                           decay_normalizer)

@@ -32,7 +32,8 @@ def _update(state_ptr, tile, mask, decay, key, v, q):
 def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale,
                    decay_normalizer, H, C, V, N, stride_slot, stride_head, stride_part, stride_row, stride_col,
                    row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
-                   SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, BLOCK_C: tl.constexpr,
+                   SHARED: tl.constexpr, SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr,
+                   DECAY_LOGITS: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
     # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
@@ -50,8 +51,8 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     hc = h * C + c                                     # within a token's row: heads, then c (or d_v) contiguous
     # Token vectors are loaded as rows [1, C] for the softmax helpers and transposed into columns [C, 1] to
     # scale the state's rows.
-    keys, keep = softmax_keys(tl.load(k_ptr + b * row_k + hc, mask=c < C, other=0.0).to(tl.float32), c < C,
-                              ROW_TOPK, BLOCK_C)
+    z = tl.load(k_ptr + b * row_k + hc, mask=c < C, other=0.0)
+    keys, keep = softmax_keys(z.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
     g = tl.load(g_ptr + b * row_g + hc, mask=c < C, other=0.0).to(tl.float32)
     if DECAY_LOGITS:
         g = logsigmoid(g) / decay_normalizer
@@ -73,11 +74,15 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         p = tl.sum(p)                                  # scalar partition index
         acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
     if SHARED:
-        keys_s, keep_s = softmax_keys(tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0).to(tl.float32),
-                                      c < C, ROW_TOPK, BLOCK_C)
-        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0).to(tl.float32)
+        z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
+        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
+        if SHARED_LORA:  # the low-rank terms, added to the routed q and key logits in the inputs' dtype
+            z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
+            q_s = (q + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
-        acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v, tl.trans(q_s))
+        acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
+                       tl.trans(q_s.to(tl.float32)))
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -99,14 +104,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
-                      block_v=None, num_warps=4):
+                      shared_lora=False, block_v=None, num_warps=4):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
     bfloat16 (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
-    Slot ids must be distinct (two programs writing one state would race). `block_v` (state columns per program)
-    and `num_warps` override the launch, for bench/sse_decode_launch.py's sweep."""
+    With `shared_lora`, q_shared and k_shared_logits are low-rank terms the kernel adds to q and k_logits
+    (kernels.sse.decode.sse_decode_torch). Slot ids must be distinct (two programs writing one state would race).
+    `block_v` (state columns per program) and `num_warps` override the launch, for bench/sse_decode_launch.py's
+    sweep."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
@@ -131,6 +138,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     if B:
         _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
-            *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, row_topk or 0,
-            decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N), num_warps=num_warps)
+            *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
+            row_topk or 0, decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N),
+            num_warps=num_warps)
     return out
