@@ -1,8 +1,8 @@
 """SSE-H for vLLM: Sparse State Expansion layers with per-request state slots, plus paged softmax attention.
 
 Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
-parameter names are the Hugging Face ones except the stacked `qkv_proj` / `qkvg_proj` / `gate_up_proj` / `narrow_proj` /
-`low_rank_up` (`STACKED_PARAMS`).
+parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj` / `in_proj` / `low_rank_up`
+(`STACKED_PARAMS`).
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
 holds the states [layers, H, N + shared, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
@@ -26,7 +26,6 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -67,63 +66,60 @@ PREFILL_STATES_BYTES = 1 << 30
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint. The first match
 # wins, so the SSE layer's q/k/v (stacked with its gate) come before the attention layer's.
 STACKED_PARAMS = [
-    ("linear_attn.qkvg_proj", "linear_attn.q_proj", 0),
-    ("linear_attn.qkvg_proj", "linear_attn.k_proj", 1),
-    ("linear_attn.qkvg_proj", "linear_attn.v_proj", 2),
-    ("linear_attn.qkvg_proj", "linear_attn.g_proj", 3),
+    ("linear_attn.in_proj", "linear_attn.q_proj", 0),
+    ("linear_attn.in_proj", "linear_attn.k_proj", 1),
+    ("linear_attn.in_proj", "linear_attn.v_proj", 2),
+    ("linear_attn.in_proj", "linear_attn.g_proj", 3),
+    ("linear_attn.in_proj", "linear_attn.decay_down", 4),
+    ("linear_attn.in_proj", "linear_attn.q_shared_down", 5),
+    ("linear_attn.in_proj", "linear_attn.k_shared_down", 6),
+    ("linear_attn.in_proj", "linear_attn.router", -1),
     (".qkv_proj", ".q_proj", "q"),
     (".qkv_proj", ".k_proj", "k"),
     (".qkv_proj", ".v_proj", "v"),
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
-    (".narrow_proj", ".decay_down", 0),
-    (".narrow_proj", ".q_shared_down", 1),
-    (".narrow_proj", ".k_shared_down", 2),
-    (".narrow_proj", ".router", -1),
     (".low_rank_up", ".decay_up", 0),
     (".low_rank_up", ".q_shared_up", 1),
     (".low_rank_up", ".k_shared_up", 2),
 ]
 
 
-class MergedReplicatedLinear(ReplicatedLinear):
-    """Several projections of one input, replicated on every rank, as one GEMM; a checkpoint tensor loads into
-    its rows by shard index (-1: the last). (vLLM merges column-parallel projections, not replicated ones.) The
-    output is padded with zero columns to a multiple of 8: at an odd width Inductor padded a copy of the weight
-    on every call."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], *, prefix: str):
-        self.output_sizes = output_sizes[:-1] + [output_sizes[-1] + -sum(output_sizes) % 8]  # the last takes the pad
-        super().__init__(input_size, sum(self.output_sizes), bias=False, prefix=prefix)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
-        shard = loaded_shard_id % len(self.output_sizes)
-        start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
-        # One copy of the shard's rows and their zero padding, so a reload (which counts copied elements) sees the
-        # whole weight loaded.
-        param.data[start:start + size].copy_(F.pad(loaded_weight, (0, 0, 0, size - loaded_weight.shape[0])))
-
-
 class MergedColumnLinear(MergedColumnParallelLinear):
-    """vLLM's stacked column-parallel projections (one GEMM) with two additions: parts whose checkpoint has no bias
-    (`biased` False) get a zero one, written when their weight loads so that a reload writes it too; and with
-    `input_sizes`, part i reads only its own slice of the input (a block-diagonal weight: the low-rank
-    up-projections, each from its code, as one GEMM instead of three)."""
+    """vLLM's stacked column-parallel projections (one GEMM), with three additions:
+    - parts whose checkpoint has no bias (`biased` False) get a zero one, written when their weight loads so that a
+      reload writes it too;
+    - the last `replicated` parts are whole on every rank (the SSE layer's narrow projections beside its head-sized
+      ones), zero-padded together to a multiple of 8 columns, the padding going to the last part (at an odd width
+      Inductor padded a copy of the weight on every call);
+    - with `input_sizes`, part i reads only its own slice of the input (a block-diagonal weight: the low-rank
+      up-projections, each from its code, as one GEMM instead of three).
+    A checkpoint tensor loads by part index (-1: the last)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], biased: list[bool], *, prefix: str,
-                 input_sizes: list[int] | None = None):
-        self.input_sizes = input_sizes
-        self.biased = biased
-        super().__init__(input_size, output_sizes, bias=any(biased), prefix=prefix)
+                 replicated: int = 0, input_sizes: list[int] | None = None):
+        self.biased, self.replicated, self.input_sizes = biased, replicated, input_sizes
+        sizes = list(output_sizes)
+        if replicated:
+            sizes[-1] += -sum(sizes[-replicated:]) % 8
+        # A replicated part is declared tp times its size, so that each rank's share of it is all of it.
+        tp = get_tensor_model_parallel_world_size()
+        sizes = sizes[:len(sizes) - replicated] + [size * tp for size in sizes[len(sizes) - replicated:]]
+        super().__init__(input_size, sizes, bias=any(biased), prefix=prefix)
 
     def weight_loader_v2(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
         """The weight's loader (vLLM loads the bias with `weight_loader`)."""
+        shard = loaded_shard_id % len(self.output_sizes)
+        if shard >= len(self.output_sizes) - self.replicated:
+            # Padded with zero rows, and repeated so that the rank's slice vLLM takes is the whole of it.
+            rows = self.output_partition_sizes[shard] - loaded_weight.shape[0]
+            loaded_weight = F.pad(loaded_weight, (0, 0, 0, rows)).repeat(self.tp_size, 1)
         if self.input_sizes:
-            start = sum(self.input_sizes[:loaded_shard_id])
+            start = sum(self.input_sizes[:shard])
             loaded_weight = F.pad(loaded_weight, (start, self.input_size - start - loaded_weight.shape[1]))
-        super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
-        if self.bias is not None and not self.biased[loaded_shard_id]:
-            self.weight_loader(self.bias, loaded_weight.new_zeros(loaded_weight.shape[0]), loaded_shard_id)
+        super().weight_loader_v2(param, loaded_weight, shard)
+        if self.bias is not None and not self.biased[shard]:
+            self.weight_loader(self.bias, loaded_weight.new_zeros(loaded_weight.shape[0]), shard)
 
 
 def state_groups(config: SSEConfig) -> list[list[int]]:
@@ -287,7 +283,8 @@ class SSEStates(nn.Module, MambaBase):
 class SSELinearAttention(nn.Module):
     """The SSE layer (docs/model.md) with its state in a row of an `SSEStates` entry.
 
-    The projections run in the compiled graph and go packed into the opaque custom op, which owns the state:
+    The stacked input projection runs in the compiled graph and its output goes into the opaque custom op, which
+    owns the state:
     one step's batch holds decodes first (one token each), then prefills. Decodes go through
     `kernels.sse_decode` on their slots in place; prefills go through varlen `kernels.sse_attention` calls (one
     per group of sequences, `PREFILL_STATES_BYTES`) from their slots' states, which get the final states back, so
@@ -308,35 +305,29 @@ class SSELinearAttention(nn.Module):
         if self.state_row == 0:
             self.states = SSEStates(sse_state_shape(config, tp), self.states_name)
         self.num_heads, self.value_dim = H // tp, dv
-        # The HF SSELayer's projections, stacked: head-sized outputs split over tensor-parallel ranks, the narrow
-        # ones replicated. q, k, v and the output gate's logits are one GEMM, as are the three low-rank
-        # up-projections (decay, and the shared partition's q and k terms): apart, in a 1.5B decode step, the gate
-        # and up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time, for a few MB each
-        # (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md).
+        # The HF SSELayer's projections of x, stacked into one GEMM: q, k, v and the output gate's logits (split
+        # over tensor-parallel ranks), then the narrow ones, replicated on every rank: the low-rank codes of the
+        # decay and of the shared partition's q and k, and the router logits (zero-padded). Its output goes into
+        # the custom op as it is; the op runs the three low-rank up-projections as one GEMM over a block-diagonal
+        # weight, and the decode kernel adds the shared partition's low-rank terms itself. Apart, in a 1.5B decode
+        # step, the gate's, the narrow and the up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time for a few MB
+        # each (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md), and packing the op's inputs 0.29 ms
+        # (vllm_decode_profile_1b_SSE-H_20261127b.md).
         qkv_bias = config.sse_qkv_bias
-        self.qkvg_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv],
-                                            [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias],
-                                            prefix=f"{prefix}.qkvg_proj")
-        # The narrow projections of x (the low-rank codes of the decay and of the shared partition's q and k; the
-        # router logits last) are one GEMM too, replicated on every rank.
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
         r = config.sse_lora_rank
         code_sizes = [config.sse_decay_rank] + ([r, r] if self.lora else [])
-        self.narrow_proj = MergedReplicatedLinear(D, code_sizes + [config.sse_num_partitions],
-                                                  prefix=f"{prefix}.narrow_proj")
-        self.codes = sum(code_sizes)
-        self.low_rank_up = MergedColumnLinear(self.codes, [H * c] * len(code_sizes),
+        self.in_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv, *code_sizes, config.sse_num_partitions],
+                                          [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias]
+                                          + [False] * (len(code_sizes) + 1),
+                                          replicated=len(code_sizes) + 1, prefix=f"{prefix}.in_proj")
+        self.codes = slice(sum(self.in_proj.output_partition_sizes[:4]),
+                           sum(self.in_proj.output_partition_sizes[:4 + len(code_sizes)]))
+        self.low_rank_up = MergedColumnLinear(sum(code_sizes), [H * c] * len(code_sizes),
                                               [True] + [False] * (len(code_sizes) - 1),  # only decay_up has a bias
                                               input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
-        # Packed operator inputs, in model dtype: q, k, v, decay logits, [q_shared, k_shared], then the router
-        # logits with the narrow projection's zero padding, last, so that every wide part starts 16-byte aligned
-        # (with the router fourth the parts after it were not, and the kernel packing them moved its ~12 MB in
-        # 14 us in a 1.5B decode step, bench/results/vllm_decode_profile_1b_SSE-H_20261127b.md).
-        Hc = self.num_heads * c
-        self.packed_sizes = [Hc, Hc, self.num_heads * dv, Hc] + ([Hc, Hc] if config.sse_shared_partition else [])
-        self.packed_sizes.append(self.narrow_proj.output_size - self.codes)
         self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
                         decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
@@ -354,54 +345,58 @@ class SSELinearAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The HF `SSELayer.forward` on vLLM's batch layout: x [T, D] -> [T, D]."""
         T = hidden_states.shape[0]
-        q, k, v, gate = self.qkvg_proj(hidden_states)[0].split(self.qkvg_proj.output_partition_sizes, -1)
-        narrow = self.narrow_proj(hidden_states)[0]
-        decay, *lora = self.low_rank_up(narrow[:, :self.codes])[0].chunk(len(self.low_rank_up.output_sizes), -1)
-        packed = [q, k, v, decay]
-        if self.config.sse_shared_partition:
-            packed += sse_math.shared_partition_qk(q, k, *(lora or [None, None]))
-        packed.append(narrow[:, self.codes:])  # the router logits and zero padding
+        projected = self.in_proj(hidden_states)[0]
+        gate = projected.split(self.in_proj.output_partition_sizes, -1)[3]
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
-        torch.ops.vllm.linear_attention(torch.cat(packed, -1), o, positions, self.prefix)
+        torch.ops.vllm.linear_attention(projected, o, positions, self.prefix)
         out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
         return out
 
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
-        """The custom op's body: `hidden_states` are the packed inputs, `output` gets o [T, H, d_v]."""
+        """The custom op's body: `hidden_states` is `in_proj`'s output, `output` gets o [T, H, d_v]."""
         context = get_forward_context()
         if context.attn_metadata is None:  # a dummy run (memory profile, CUDA graph capture, warm-up): no slots
             if hidden_states.shape[0] >= self.max_num_batched_tokens:
-                # vLLM sizes its cache from the peak memory of this batch (the memory profile): a prefill group's
-                # state copies, allocated here, are in that peak. (Running the group's prefill instead would also
-                # count the GLA's temporaries, but compile and autotune fla's kernels during start-up.)
+                # vLLM sizes its cache from the peak memory of this batch (the memory profile): what a real step
+                # allocates here, the low-rank terms and a prefill group's state copies, is in that peak. (Running
+                # the group's prefill instead would also count the GLA's temporaries, but compile and autotune
+                # fla's kernels during start-up.)
+                low_rank = self.low_rank_up(hidden_states[:, self.codes])[0]
                 torch.empty(PREFILL_STATE_COPIES * self.prefill_group * self.state_shape.numel(),
                             dtype=torch.float32, device=hidden_states.device)
+                del low_rank  # (alive until the state copies were allocated)
             return
         metadata = context.attn_metadata[self.states_name]
         state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
         num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
-        parts = hidden_states[:num_tokens].split(self.packed_sizes, -1)
+        projected = hidden_states[:num_tokens]
+        parts = projected.split(self.in_proj.output_partition_sizes, -1)
+        q, k, v, router = *parts[:3], parts[-1]
+        decay, *lora = self.low_rank_up(projected[:, self.codes])[0].split(self.low_rank_up.output_partition_sizes,
+                                                                            -1)
 
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
-        inputs = dict(q=heads(parts[0]), k_logits=heads(parts[1]), v=heads(parts[2]), log_decay=heads(parts[3]),
-                      router_logits=parts[-1][:, :self.config.sse_num_partitions])
-        if self.config.sse_shared_partition:
-            inputs["q_shared"], inputs["k_shared_logits"] = heads(parts[4]), heads(parts[5])
+        inputs = dict(q=heads(q), k_logits=heads(k), v=heads(v), log_decay=heads(decay),
+                      router_logits=router[:, :self.config.sse_num_partitions])
+        if self.config.sse_shared_partition:  # with low-rank terms, their sums with q and k are taken later
+            inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora) if self.lora else (q, k)
         self._recur(inputs, metadata, state, output)
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
                output: torch.Tensor) -> None:
         """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
-        prefills start from float32 copies of their slots' states). Inputs are views into the packed buffer and
-        decodes write straight into `output`: the decode kernel reads and writes rows at any stride and takes the
-        decay's logsigmoid itself, so a decode step copies none of its inputs or its output and launches one kernel
-        per layer."""
+        prefills start from float32 copies of their slots' states). Inputs are views into the projections' outputs,
+        with the shared partition's low-rank terms in place of its q and key logits when the layer has them; decodes
+        write straight into `output`: the decode kernel reads and writes rows at any stride, takes the decay's
+        logsigmoid and adds the low-rank terms itself, so a decode step copies none of its inputs or its output and
+        launches one kernel per layer."""
         slots = metadata.state_indices_tensor
         nd, npf = metadata.num_decodes, metadata.num_prefills
         if nd:
             step = {name: t[:nd] for name, t in inputs.items()}
-            kernels.sse_decode(state, slots[:nd], **step, **self.ops, out=output[:nd], impl=self.decode_impl)
+            kernels.sse_decode(state, slots[:nd], **step, **self.ops, shared_lora=self.lora, out=output[:nd],
+                               impl=self.decode_impl)
         offsets, start = metadata.prefill_token_offsets, metadata.num_decode_tokens
         for first in range(0, npf, self.prefill_group):  # bounded state memory per group (PREFILL_STATES_BYTES)
             last = min(first + self.prefill_group, npf)
@@ -409,6 +404,9 @@ class SSELinearAttention(nn.Module):
             qsl = metadata.query_start_loc[nd + first:nd + last + 1]
             prefill_slots = slots[nd + first:nd + last].long()
             prefill = {name: t[tokens][None] for name, t in inputs.items()}
+            if self.lora:
+                prefill["q_shared"], prefill["k_shared_logits"] = sse_math.shared_partition_qk(
+                    prefill["q"], prefill["k_logits"], prefill["q_shared"], prefill["k_shared_logits"])
             o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)
@@ -470,8 +468,8 @@ class SSEModel(nn.Module):
 
 class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
-                              "qkvg_proj": ["q_proj", "k_proj", "v_proj", "g_proj"],
-                              "narrow_proj": ["decay_down", "q_shared_down", "k_shared_down", "router"],
+                              "in_proj": ["q_proj", "k_proj", "v_proj", "g_proj", "decay_down", "q_shared_down",
+                                          "k_shared_down", "router"],
                               "low_rank_up": ["decay_up", "q_shared_up", "k_shared_up"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
