@@ -186,9 +186,9 @@ class SSELayer(nn.Module):
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         lora = hasattr(self, "q_shared_up")
         # The router and the low-rank down projections (4-64 outputs each) as one GEMM over their stacked weights
-        # (vLLM stacks them after q/k/v/g in its `in_proj`): one launch and one product for x's gradient instead of four of each plus three
-        # adds (the wide projections stay apart: stacked, their 8k-wide output cost more than it saved,
-        # kernels/NOTES.md).
+        # (vLLM stacks them after q/k/v/g in its `in_proj`): one launch and one product for x's gradient instead of
+        # four of each plus three adds (the wide projections stay apart: stacked, their 8k-wide output cost more
+        # than it saved, kernels/NOTES.md).
         narrow = [self.router, self.decay_down] + ([self.q_shared_down, self.k_shared_down] if lora else [])
         router_logits, decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
             [m.out_features for m in narrow], -1)
