@@ -1,4 +1,5 @@
-"""How much an SSE state holds: the singular-value entropy of each partition's state after a sequence.
+"""How much an SSE state holds: the singular-value entropy of each partition's state after a sequence; and where
+each token was routed (to tell two models of one checkpoint apart, e.g. a float32 and a bfloat16 trainer).
 
 The SSE paper measures how discriminative a state is by the entropy of its normalised singular values: a state
 whose spectrum is spread over many directions (high entropy, up to log min(c, d_v)) can hold more key-value
@@ -7,6 +8,7 @@ is logged during training; this is its counterpart for what the partitions end u
 """
 import torch
 
+from kernels.sse.routing import route
 from sse_model.configuration_sse import SSE_LAYER
 
 
@@ -34,3 +36,24 @@ def state_entropy(model, sequences: list[list[int]]) -> torch.Tensor:
         model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
         per_sequence.append(torch.stack([singular_value_entropy(cache.sse_state(i)[0]).mean(0) for i in layers]))
     return torch.stack(per_sequence).mean(0).float().cpu()
+
+
+@torch.no_grad()
+def routed_partitions(model, ids: list[int]) -> torch.Tensor:
+    """[SSE layers, T, K] the top-K partitions each token of one sequence is routed to, layer by layer, as the
+    operators choose them (`kernels.sse.routing.route`). `model`: an `SSEForCausalLM` with SSE layers; it runs
+    under whatever autocast the caller has on."""
+    picks = []
+
+    def keep(layer, args, out):  # a decoder layer returns (x, router logits or None)
+        if out[1] is not None:
+            picks.append(route(out[1][0], model.config.sse_top_k)[1])
+    hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
+    try:
+        model(input_ids=torch.tensor([ids], device=next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not picks:
+        raise ValueError("the model has no SSE layer, so no routing to report")
+    return torch.stack(picks).cpu()

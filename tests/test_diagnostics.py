@@ -7,7 +7,7 @@ import torch
 
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
-from sse_model.diagnostics import singular_value_entropy, state_entropy
+from sse_model.diagnostics import routed_partitions, singular_value_entropy, state_entropy
 from tasks.tokenizer import train_tokenizer
 from tiny_checkpoints import save_checkpoint
 
@@ -77,3 +77,23 @@ def test_state_report_from_eval_samples(tmp_path):
                                                                       layer_types=[ATTENTION_LAYER]),
                                   tokenizer=tokenizer)
     assert state_report(str(transformer), [str(problems)], out, problems=3) is None
+
+
+def test_routed_partitions_are_the_routers_top_k():
+    """Per SSE layer and token, the router's top-K partitions (the first layer's recomputed from its own router
+    logits); the two layers route differently; a model without SSE layers is refused."""
+    config = SSEConfig(**{**TINY, "sse_top_k": 2}, num_hidden_layers=3,
+                       layer_types=[SSE_LAYER, ATTENTION_LAYER, SSE_LAYER], vocab_size=64)
+    torch.manual_seed(0)
+    model = SSEForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (30,)).tolist()
+    picks = routed_partitions(model, ids)
+    assert picks.shape == (2, 30, 2) and bool(((picks >= 0) & (picks < 4)).all())
+    assert bool((picks[..., 0] != picks[..., 1]).all()), "top-2 picks must be two partitions"
+    x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([ids])))
+    logits = x @ model.model.layers[0].linear_attn.router.weight.T
+    assert torch.equal(picks[0], logits[0].topk(2, -1).indices)
+    assert not torch.equal(picks[0], picks[1])
+    dense = SSEForCausalLM(SSEConfig(**TINY, num_hidden_layers=1, layer_types=[ATTENTION_LAYER], vocab_size=64))
+    with pytest.raises(ValueError, match="no SSE layer"):
+        routed_partitions(dense, ids)

@@ -163,9 +163,10 @@ def greedy_logprob_diffs(llm, hf, prompts) -> dict:
     return dict(mean=float(d.mean()), max=float(d.max()), tokens=d.numel())
 
 
-def sampled_kl(llm, hf, prompts) -> dict:
+def sampled_kl(llm, hf, prompts) -> tuple[dict, list[list[int]]]:
     """KL(vLLM || HF) per token on tokens vLLM sampled at temperature 1, 8 rollouts per prompt: the k3
-    estimator r - 1 - log r with r = p_HF / p_vLLM (unbiased, never negative), as RL frameworks log it."""
+    estimator r - 1 - log r with r = p_HF / p_vLLM (unbiased, never negative), as RL frameworks log it. Returns
+    the summary, whose `largest_at` gives (rollout, position in it) of the largest values, and the rollouts."""
     from vllm import SamplingParams
     params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=128, logprobs=0, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -175,14 +176,16 @@ def sampled_kl(llm, hf, prompts) -> dict:
             sequences.append(out.prompt_token_ids + list(c.token_ids))
             sampled.append((len(out.prompt_token_ids), torch.tensor([lp[t].logprob
                                                                      for lp, t in zip(c.logprobs, c.token_ids)])))
-    kls = []
-    for (n_prompt, ours), ref in zip(sampled, hf_logprobs(hf, sequences)):
+    kls, where = [], []
+    for i, ((n_prompt, ours), ref) in enumerate(zip(sampled, hf_logprobs(hf, sequences))):
         log_r = ref[n_prompt - 1:] - ours
         kls.append(log_r.exp() - 1 - log_r)
+        where += [(i, n_prompt + j) for j in range(len(ours))]
     k = torch.cat(kls)
     # The mean of this estimator can rest on a few tokens (a heavy tail): the largest values show whether it does.
-    return dict(mean=float(k.mean()), p99=float(k.quantile(0.99)), largest=k.topk(min(5, k.numel())).values.tolist(),
-                tokens=k.numel(), bar=MAX_KL)
+    largest = k.topk(min(5, k.numel()))
+    return dict(mean=float(k.mean()), p99=float(k.quantile(0.99)), largest=largest.values.tolist(),
+                largest_at=[where[i] for i in largest.indices.tolist()], tokens=k.numel(), bar=MAX_KL), sequences
 
 
 def divergence(engine, prompt, ta, tb) -> tuple[int, float | None]:
@@ -206,18 +209,25 @@ def test_greedy_and_prompt_logprobs_match_hf(engine, hf, checkpoint):
 
 
 def test_sampled_rollouts_kl_between_sampler_and_trainer(engine, hf, checkpoint):
-    RESULTS["sampled_kl"] = k = sampled_kl(engine, hf, checkpoint[1])
+    RESULTS["sampled_kl"] = k = sampled_kl(engine, hf, checkpoint[1])[0]
     save_results()
     assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL, k
 
 
-def test_sampled_kl_against_a_float32_master_trainer(engine, checkpoint):
+def test_sampled_kl_against_a_float32_master_trainer(engine, hf, checkpoint):
     """model.fp32_master_weights: the trainer keeps float32 weights and computes under bf16 autocast, the engine
-    serves the bf16 weights; the same KL bar on the same rollouts."""
+    serves the bf16 weights; the same KL bar on the same rollouts. Recorded beside it, to explain a KL carried by a
+    few tokens: how often this trainer routes a token elsewhere than the bf16 one, and how many such routes (over
+    SSE layers and earlier tokens, which the state carries) precede each of the largest-KL tokens."""
     from sse_model import SSEForCausalLM
+    from sse_model.diagnostics import routed_partitions
     master = SSEForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).cuda().eval()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        RESULTS["fp32_master_sampled_kl"] = k = sampled_kl(engine, master, checkpoint[1])
+        k, rollouts = sampled_kl(engine, master, checkpoint[1])
+        flipped = [(routed_partitions(master, seq) != routed_partitions(hf, seq)).any(-1) for seq in rollouts]
+    k["routes_differing_from_bf16_trainer"] = float(torch.cat([f.flatten() for f in flipped]).float().mean())
+    k["differing_routes_before_largest"] = [int(flipped[i][:, :position].sum()) for i, position in k["largest_at"]]
+    RESULTS["fp32_master_sampled_kl"] = k
     save_results()
     assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL, k
 
@@ -231,7 +241,7 @@ def test_bfloat16_states_on_request(engine, checkpoint, hf):
     moved = max(float((vllm_logprobs(a) - vllm_logprobs(b)).abs().max())
                 for a, b in zip(greedy(llm, checkpoint[1]), greedy(engine, checkpoint[1])))
     RESULTS["bf16_states"] = dict(greedy_logprob_abs_diff=greedy_logprob_diffs(llm, hf, checkpoint[1]),
-                                  sampled_kl=sampled_kl(llm, hf, checkpoint[1]), max_moved_vs_float32=moved)
+                                  sampled_kl=sampled_kl(llm, hf, checkpoint[1])[0], max_moved_vs_float32=moved)
     save_results()
     del llm
     k, d = RESULTS["bf16_states"]["sampled_kl"], RESULTS["bf16_states"]["greedy_logprob_abs_diff"]
