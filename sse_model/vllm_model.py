@@ -380,7 +380,7 @@ class SSELinearAttention(nn.Module):
         inputs = dict(q=heads(q), k_logits=heads(k), v=heads(v), log_decay=heads(decay),
                       router_logits=router[:, :self.config.sse_num_partitions])
         if self.config.sse_shared_partition:  # with low-rank terms, their sums with q and k are taken later
-            inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora) if self.lora else (q, k)
+            inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora if self.lora else (q, k))
         self._recur(inputs, metadata, state, output)
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,

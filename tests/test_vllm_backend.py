@@ -38,9 +38,10 @@ CONFIGS = {
                  attention_qk_norm=True, attention_bias=True, sse_gate_bias=True,
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # two attention layers, so each SSE state entry holds one layer and the attention block (sized to hold an
-    # entry) stays shorter than the generations: requests outgrow their blocks and get preempted
+    # entry) stays shorter than the generations: requests outgrow their blocks and get preempted; a shared
+    # partition without low-rank terms (its q and k are the routed ones)
     "n8k2_row_sparse": dict(layer_types=[S, A, S, A], num_hidden_layers=4, sse_num_partitions=8, sse_top_k=2,
-                            sse_row_topk=8, sse_qkv_bias=True),
+                            sse_row_topk=8, sse_qkv_bias=True, sse_lora_rank=0),
     "gla": dict(layer_types=[S] * 3, num_hidden_layers=3, sse_num_partitions=1, sse_top_k=1,
                 sse_shared_partition=False, tie_word_embeddings=True),
     "transformer": dict(layer_types=[A] * 3, num_hidden_layers=3),
