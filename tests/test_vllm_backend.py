@@ -425,6 +425,52 @@ def test_state_dtype_follows_vllms_recurrent_state_knobs(ssm, cache, dtype):
         assert state_dtype(config) == dtype
 
 
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1)])
+def test_stacked_projection_shards_under_tensor_parallelism(monkeypatch, tp, rank):
+    """`MergedColumnLinear` on one rank of tp: column-parallel parts hold the rank's rows, replicated parts (the SSE
+    layer's narrow projections) all of theirs plus the zero padding to a multiple of 8, parts without a checkpoint
+    bias a zero bias, and a block-diagonal stack each part's input slice. Parameters start NaN, so an element no
+    loader writes fails. (Engines here run at tp = 1; the rank is faked where vLLM's layers read it.)"""
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from sse_model import vllm_model
+    for module in (linear, parameter, vllm_model):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: tp)
+    for module in (linear, parameter):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: rank)
+
+    def loaded(layer, weights, biases):
+        layer.weight.data.fill_(float("nan"))
+        layer.bias.data.fill_(float("nan"))
+        for shard, w in enumerate(weights):
+            layer.weight.weight_loader(layer.weight, w, -1 if shard == len(weights) - 1 else shard)
+        for shard, b in biases.items():
+            layer.bias.weight_loader(layer.bias, b, shard)
+        return layer.weight.data, layer.bias.data
+
+    def mine(x):
+        return x.chunk(tp)[rank]
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        stacked = vllm_model.MergedColumnLinear(6, [8, 8, 3, 2], [True, True, False, False], replicated=2,
+                                                prefix="in_proj")
+        up = vllm_model.MergedColumnLinear(6, [4, 4], [True, False], input_sizes=[2, 4], prefix="low_rank_up")
+    assert stacked.output_partition_sizes == [8 // tp, 8 // tp, 3, 5]
+    w = [torch.randn(8, 6), torch.randn(8, 6), torch.randn(3, 6), torch.randn(2, 6)]
+    b = {0: torch.randn(8), 1: torch.randn(8)}
+    weight, bias = loaded(stacked, w, b)
+    assert torch.equal(weight, torch.cat([mine(w[0]), mine(w[1]), w[2], w[3], torch.zeros(3, 6)]))
+    assert torch.equal(bias, torch.cat([mine(b[0]), mine(b[1]), torch.zeros(8)]))
+    w = [torch.randn(4, 2), torch.randn(4, 4)]
+    b = {0: torch.randn(4)}
+    weight, bias = loaded(up, w, b)
+    assert torch.equal(weight, torch.cat([torch.cat([mine(w[0]), torch.zeros(4 // tp, 4)], 1),
+                                          torch.cat([torch.zeros(4 // tp, 2), mine(w[1])], 1)]))
+    assert torch.equal(bias, torch.cat([mine(b[0]), torch.zeros(4 // tp)]))
+
+
 def test_plugin_entry_point_and_idempotent_registration(worker):
     from importlib.metadata import entry_points
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
