@@ -43,6 +43,8 @@ def routed_partitions(model, ids: list[int]) -> torch.Tensor:
     """[SSE layers, T, K] the top-K partitions each token of one sequence is routed to, layer by layer, as the
     operators choose them (`kernels.sse.routing.route`). `model`: an `SSEForCausalLM` with SSE layers; it runs
     under whatever autocast the caller has on."""
+    if SSE_LAYER not in model.config.layer_types:
+        raise ValueError("the model has no SSE layer, so no routing to report")
     picks = []
 
     def keep(layer, args, out):  # a decoder layer returns (x, router logits or None)
@@ -54,6 +56,4 @@ def routed_partitions(model, ids: list[int]) -> torch.Tensor:
     finally:
         for hook in hooks:
             hook.remove()
-    if not picks:
-        raise ValueError("the model has no SSE layer, so no routing to report")
     return torch.stack(picks).cpu()
