@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def decode_case(batch, H, N=4, c=128, dv=128, state_dtype=torch.float32):
-    """One decode step's state cache (the batch's slots spread over twice as many) and bf16 inputs, decay logits
-    with their normalizer as vLLM passes them, named as `kernels.sse_decode` takes them. Returns (state, slots,
-    inputs)."""
-    state = torch.zeros(2 * batch, H, N + 1, c, dv, device="cuda", dtype=state_dtype)
+    """One decode step's state cache (the batch's slots spread over twice as many, partition-major as vLLM lays it
+    out: `sse_model.vllm_model.sse_state_shape`) and bf16 inputs, decay logits with their normalizer as vLLM passes
+    them, named as `kernels.sse_decode` takes them. Returns (state, slots, inputs)."""
+    state = torch.zeros(2 * batch, N + 1, H, c, dv, device="cuda", dtype=state_dtype).transpose(1, 2)
     slots = torch.randperm(2 * batch, device="cuda")[:batch].int()
     inputs = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
               for name in ("q", "k_logits", "q_shared", "k_shared_logits")}

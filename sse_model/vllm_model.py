@@ -5,7 +5,7 @@ parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_
 (`STACKED_PARAMS`).
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
-holds the states [layers, H, N + shared, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
+holds the states [layers, N + shared, H, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
 of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request, exactly as
 for its linear-attention models (MiniMax, Bailing).
 The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
@@ -141,8 +141,13 @@ def state_groups(config: SSEConfig) -> list[list[int]]:
 
 
 def sse_state_shape(config: SSEConfig, tp_size: int) -> tuple[int, int, int, int, int]:
-    """One cache entry's state per request on one tensor-parallel rank: [layers, H, N + shared, c, d_v]."""
-    return (len(state_groups(config)[0]), config.sse_num_heads // tp_size, config.num_sse_partitions_with_shared,
+    """One cache entry's state per request on one tensor-parallel rank: [layers, N + shared, H, c, d_v].
+
+    Partition-major: a decode step touches two of a head's N + shared states (its routed and the shared one), and
+    an H100 updates those at 2.79 TB/s when each partition's heads lie side by side, against 2.54 TB/s with each
+    head's partitions side by side (float32, batch 256; 9-11 % of the decode kernel's time, results identical;
+    bench/results/sse_decode_state_layout_20261127.md)."""
+    return (len(state_groups(config)[0]), config.num_sse_partitions_with_shared, config.sse_num_heads // tp_size,
             config.sse_key_dim, config.sse_value_dim)
 
 
@@ -253,7 +258,7 @@ class SSEStates(nn.Module, MambaBase):
     """A vLLM cache entry holding, per request slot, the states of a group of SSE layers (`state_groups`).
 
     Created by the group's first SSE layer; every layer of the group finds it by name in vLLM's static forward
-    context and works on its own row, `kv_cache[0][:, row]` ([slots, H, N + shared, c, d_v], strided)."""
+    context and works on its own row, `layer_states(row)`."""
 
     def __init__(self, shape: tuple[int, ...], prefix: str):
         super().__init__()
@@ -278,6 +283,11 @@ class SSEStates(nn.Module, MambaBase):
 
     def get_attn_backend(self) -> type[SSEStateBackend]:
         return SSEStateBackend
+
+    def layer_states(self, row: int) -> torch.Tensor:
+        """The states of the group's row-th layer as the kernels take them: a strided [slots, H, N + shared, c, d_v]
+        view of the partition-major cache (`sse_state_shape`)."""
+        return self.kv_cache[0][:, row].transpose(1, 2)
 
 
 class SSELinearAttention(nn.Module):
@@ -332,7 +342,7 @@ class SSELinearAttention(nn.Module):
                         decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
-        self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [H, N + shared, c, d_v]
+        self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [N + shared, H, c, d_v]
         self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_shape.numel()))
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
@@ -367,7 +377,7 @@ class SSELinearAttention(nn.Module):
                 del low_rank  # (alive until the state copies were allocated)
             return
         metadata = context.attn_metadata[self.states_name]
-        state = context.no_compile_layers[self.states_name].kv_cache[0][:, self.state_row]
+        state = context.no_compile_layers[self.states_name].layer_states(self.state_row)
         num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
         projected = hidden_states[:num_tokens]
         parts = projected.split(self.in_proj.output_partition_sizes, -1)

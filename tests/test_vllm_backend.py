@@ -100,7 +100,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     def state_of(name, layer):
         """The layer's [slots, H, N + shared, c, d_v] view of the cache entry holding its state."""
-        return model_of(name).get_submodule(layer.states_name).kv_cache[0][:, layer.state_row]
+        return model_of(name).get_submodule(layer.states_name).layer_states(layer.state_row)
 
     def start(name, path, kwargs):
         engines[name] = LLM(model=path, **kwargs)
