@@ -188,6 +188,12 @@ def sampled_kl(llm, hf, prompts) -> tuple[dict, list[list[int]]]:
                 largest_at=[where[i] for i in largest.indices.tolist()], tokens=k.numel(), bar=MAX_KL), sequences
 
 
+def tokens_since(flags: torch.Tensor, position: int) -> int | None:
+    """How far before `position` the last set flag of `flags` [position] is (None when none is set)."""
+    set_at = flags.nonzero()
+    return position - int(set_at[-1]) if len(set_at) else None
+
+
 def divergence(engine, prompt, ta, tb) -> tuple[int, float | None]:
     """How many tokens two greedy continuations of `prompt` share, and at the first difference the gap between
     `engine`'s logprobs of the two choices (None when they never differ)."""
@@ -218,7 +224,8 @@ def test_sampled_kl_against_a_float32_master_trainer(engine, hf, checkpoint):
     """model.fp32_master_weights: the trainer keeps float32 weights and computes under bf16 autocast, the engine
     serves the bf16 weights; the same KL bar on the same rollouts. Recorded beside it, to explain a KL carried by a
     few tokens: how often this trainer routes a token elsewhere than the bf16 one, and how many such routes (over
-    SSE layers and earlier tokens, which the state carries) precede each of the largest-KL tokens."""
+    SSE layers and earlier tokens, which the state carries) precede each of the largest-KL tokens, and how many
+    tokens back the nearest of them is."""
     from sse_model import SSEForCausalLM
     from sse_model.diagnostics import routed_partitions
     master = SSEForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).cuda().eval()
@@ -227,6 +234,8 @@ def test_sampled_kl_against_a_float32_master_trainer(engine, hf, checkpoint):
         flipped = [(routed_partitions(master, seq) != routed_partitions(hf, seq)).any(-1) for seq in rollouts]
     k["routes_differing_from_bf16_trainer"] = float(torch.cat([f.flatten() for f in flipped]).float().mean())
     k["differing_routes_before_largest"] = [int(flipped[i][:, :position].sum()) for i, position in k["largest_at"]]
+    k["tokens_since_differing_route_before_largest"] = [tokens_since(flipped[i][:, :position].any(0), position)
+                                                         for i, position in k["largest_at"]]
     RESULTS["fp32_master_sampled_kl"] = k
     save_results()
     assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL, k
