@@ -104,7 +104,12 @@ def main():
     profiler = cProfile.Profile()
     profiler.runcall(run, 288)
     stream = io.StringIO()
-    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(40)
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("tottime").print_stats(40)
+    # Where the step's host time goes by phase (scheduler, runner, sampler, outputs), and who makes the host-device
+    # copies and reads that can wait for the GPU.
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.print_callers(r"method '(to|copy_|tolist|item|cpu)' of 'torch")
     tag = f"{args.shape}_{args.model}" + ("" if args.state_dtype == "auto" else f"_{args.state_dtype}")
     (args.out / f"decode_profile_{tag}_python.txt").write_text(stream.getvalue())
     text = "\n".join(lines)

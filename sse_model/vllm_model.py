@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen2 import Qwen2MLP as SSEMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.linear_attn import (
     LinearAttentionBackend,
@@ -236,7 +237,9 @@ class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
             query_lens = m.query_start_loc_cpu.diff()
             fresh = m.is_prefilling & (query_lens > 0) & (m.seq_lens_cpu_upper_bound == query_lens)
             if bool(fresh.any()):
-                rows = fresh.nonzero()[:, 0].to(metadata.state_indices_tensor.device)
+                # Through pinned memory where the platform has it, so that the copy does not wait for the work
+                # queued on the GPU (a plain `.to` did: ~20 ms on every step that starts requests, 1.5B on an H100).
+                rows = async_tensor_h2d(fresh.nonzero()[:, 0], metadata.state_indices_tensor.device)
                 slots = metadata.state_indices_tensor[rows].long()
                 context = self.vllm_config.compilation_config.static_forward_context
                 for name in self.layer_names:
