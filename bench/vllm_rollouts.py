@@ -17,6 +17,9 @@ states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; `--models SSE-H SSE-H
 With `--engine '{"enable_logging_iteration_details": true}'` the report also says, per timed generation, how many
 engine steps ran and how long the engine waited for their model outputs (`step_waits`): host-bound or stalled.
 
+The report is written again after each model, under one name per run, so a run cut short (a device call's time
+limit, a machine taken back) keeps the models that finished; `--add` joins them to a later run's.
+
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
 """
@@ -212,6 +215,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
+    args.started = datetime.now(timezone.utc)  # names the run's one report, rewritten after each model
     results, cfgs = {}, configs(args.shape)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -223,7 +227,8 @@ def main(argv=None):
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"{name}: {e}", flush=True)
                 results[name] = dict(error=str(e)[-2000:])
-    print(write_report(results, args))
+            markdown = write_report(results, args)  # a run cut short keeps the models that finished
+    print(markdown)
 
 
 def write_report(results: dict, args) -> str:
@@ -249,7 +254,7 @@ def write_report(results: dict, args) -> str:
                   cache_mib_per_sequence={name: cache_bytes_per_sequence(name, cfgs[name], longest) / 2**20
                                           for name in cfgs},
                   results=results)
-    stem = args.out / f"vllm_rollouts_{args.shape}_{now:%Y%m%d-%H%M}"
+    stem = args.out / f"vllm_rollouts_{args.shape}_{getattr(args, 'started', now):%Y%m%d-%H%M}"
     dims, sse_h = SHAPES[args.shape], cfgs["SSE-H"]
     attention_at = [i for i, kind in enumerate(sse_h.layer_types) if kind != "linear_attention"]
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

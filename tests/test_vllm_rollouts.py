@@ -2,6 +2,7 @@
 need a GPU node)."""
 import argparse
 import json
+from datetime import datetime, timezone
 
 from bench import vllm_rollouts
 
@@ -48,6 +49,16 @@ def test_an_earlier_report_joins_the_table(tmp_path):
     markdown = vllm_rollouts.write_report({"SSE-H": result(30_000.0)}, run_args(tmp_path / "b", add=[earlier]))
     assert f"Qwen3 from the earlier run {earlier.name}." in markdown
     assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["30,000", "20,000", "1.50"]
+
+
+def test_a_run_rewrites_one_report_after_each_model(tmp_path):
+    args = run_args(tmp_path, started=datetime(2026, 11, 27, 18, 0, tzinfo=timezone.utc))
+    first = vllm_rollouts.write_report({"SSE-H": result(10_000.0)}, args)
+    assert cells(first, "output tokens/s, 32 prompts x 8 x 1024") == ["10,000", "not run", ""]
+    vllm_rollouts.write_report({"SSE-H": result(10_000.0), "Qwen3": result(20_000.0)}, args)
+    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    assert saved.name == "vllm_rollouts_small_20261127-1800.json"
+    assert set(json.loads(saved.read_text())["results"]) == {"SSE-H", "Qwen3"}
 
 
 def test_engine_steps_are_counted_between_the_timed_markers():
