@@ -6,9 +6,9 @@ float32, teacher-forced on held-out arithmetic text, on the CPU.
 Per token: |log p_bf16 - log p_fp32| of the text's next token, and whether an SSE layer routes the token that
 predicts it, or one of the k before, to another top-1 partition in bf16 than in float32 (a near tie of router
 logits that bf16 flips). If flips carry the heavy tail, the largest differences follow a flip far more often than
-tokens do on average. The run is repeated with the bf16 model's router logits computed in float32 from the same
-bf16 inputs (patched in here; the model and the vLLM backend compute them in bf16): if the flips come from the
-router's own rounding rather than from its inputs, that variant flips far less and its tail shrinks. Writes
+tokens do on average. The model computes its router logits in float32 (`modeling_sse.Float32Router`); the run is
+repeated with them rounded to bf16, as the model and the vLLM backend computed them before (patched in here): the
+gap between the two is what the float32 router buys. Writes
 bench/results/route_flips_<checkpoint>_<date>.json/.md. (The GPU parity module, tests/test_vllm_gpu.py, records the same
 route comparison for the largest vLLM-vs-trainer differences.)
 """
@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,14 +61,14 @@ def compare(fp32, bf16, sequences) -> dict:
     return out
 
 
-def router_in_float32(layer_cls):
-    """Patch `layer_cls.project` so that the router logits are F.linear(x, W) in float32 (the experiment's
-    variant); returns a function that undoes it."""
+def router_rounded_to_model_dtype(layer_cls):
+    """Patch `layer_cls.project` so that the router logits are rounded to x's dtype (a bf16 GEMM's output, as the
+    model computed them before its float32 router); returns a function that undoes it."""
     original = layer_cls.project
 
     def project(self, x, token_mask=None):
         inputs = original(self, x, token_mask)
-        inputs["router_logits"] = F.linear(x.float(), self.router.weight.float())
+        inputs["router_logits"] = inputs["router_logits"].to(x.dtype)
         return inputs
     layer_cls.project = project
     return lambda: setattr(layer_cls, "project", original)
@@ -95,10 +94,10 @@ def main(argv=None):
     sequences = [ids[i:i + T] for i in range(0, len(ids) - T, T)][:args.sequences]
     fp32 = SSEForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     bf16 = SSEForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16).eval()
-    results = {"bf16": compare(fp32, bf16, sequences)}
-    undo = router_in_float32(SSELayer)
+    results = {"bf16 (router logits in float32)": compare(fp32, bf16, sequences)}
+    undo = router_rounded_to_model_dtype(SSELayer)
     try:
-        results["bf16, router logits in float32"] = compare(fp32, bf16, sequences)
+        results["bf16, router logits rounded to bf16"] = compare(fp32, bf16, sequences)
     finally:
         undo()
 

@@ -140,6 +140,33 @@ class SSEAttention(nn.Module):
         return o.reshape(S * longest, *o.shape[2:]).index_select(0, slot)[None]  # [1, L, heads, d]
 
 
+class Float32Router(torch.autograd.Function):
+    """Router logits F.linear(x, W) computed and returned in float32 (float64 for float64 inputs), whatever the
+    model's dtype and autocast; vLLM's SSE layer computes the same (`vllm_model.SSELinearAttention.router`).
+
+    Why: a top-1 choice between near-tied logits flips when the logits are rounded to bf16, and the trainer and the
+    engine round different near ties differently (their inputs differ in the last bits), after which the token's
+    state update goes to another partition. On the embedded default's checkpoints, bf16 router logits flipped
+    4-10 % of the top-1 routes against float32 and float32 ones 0.5-3 % (bench/route_flips.py). Only x and W are
+    kept for the backward, in their own dtype (a float32 copy of a 32k x 2048 bf16 x would be 268 MB a layer), and
+    the backward runs in x's dtype as for any other projection."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            grad = grad.to(x.dtype)
+            grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+            return grad @ weight.to(x.dtype), grad_weight.to(weight.dtype)
+
+
 class SSELayer(nn.Module):
     """Sparse State Expansion (docs/model.md): N routed partitions + a shared one, GLA-style decay.
 
@@ -185,13 +212,14 @@ class SSELayer(nn.Module):
             return t.view(B, T, self.num_heads, -1)
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         lora = hasattr(self, "q_shared_up")
-        # The router and the low-rank down projections (4-64 outputs each) as one GEMM over their stacked weights
-        # (vLLM stacks them after q/k/v/g in its `in_proj`): one launch and one product for x's gradient instead of
-        # four of each plus three adds (the wide projections stay apart: stacked, their 8k-wide output cost more
-        # than it saved, kernels/NOTES.md).
-        narrow = [self.router, self.decay_down] + ([self.q_shared_down, self.k_shared_down] if lora else [])
-        router_logits, decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
+        # The low-rank down projections (4-64 outputs each) as one GEMM over their stacked weights (vLLM stacks
+        # them after q/k/v/g in its `in_proj`): one launch and one product for x's gradient instead of three of each
+        # plus two adds (the wide projections stay apart: stacked, their 8k-wide output cost more than it saved,
+        # kernels/NOTES.md). The router is apart too, in float32 (`Float32Router`).
+        narrow = [self.decay_down] + ([self.q_shared_down, self.k_shared_down] if lora else [])
+        decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
             [m.out_features for m in narrow], -1)
+        router_logits = Float32Router.apply(x, self.router.weight)
         decay_logits = heads(self.decay_up(decay_code))
         inputs = dict(q=q, k_logits=k, v=v, log_decay=decay_logits, router_logits=router_logits)
         if self.config.sse_shared_partition:

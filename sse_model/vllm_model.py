@@ -26,6 +26,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -74,7 +75,6 @@ STACKED_PARAMS = [
     ("linear_attn.in_proj", "linear_attn.decay_down", 4),
     ("linear_attn.in_proj", "linear_attn.q_shared_down", 5),
     ("linear_attn.in_proj", "linear_attn.k_shared_down", 6),
-    ("linear_attn.in_proj", "linear_attn.router", -1),
     (".qkv_proj", ".q_proj", "q"),
     (".qkv_proj", ".k_proj", "k"),
     (".qkv_proj", ".v_proj", "v"),
@@ -320,22 +320,28 @@ class SSELinearAttention(nn.Module):
         self.num_heads, self.value_dim = H // tp, dv
         # The HF SSELayer's projections of x, stacked into one GEMM: q, k, v and the output gate's logits (split
         # over tensor-parallel ranks), then the narrow ones, replicated on every rank: the low-rank codes of the
-        # decay and of the shared partition's q and k, and the router logits (zero-padded). Its output goes into
-        # the custom op as it is; the op runs the three low-rank up-projections as one GEMM over a block-diagonal
-        # weight, and the decode kernel adds the shared partition's low-rank terms itself. Apart, in a 1.5B decode
-        # step, the gate's, the narrow and the up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time for a few MB
-        # each (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md), and packing the op's inputs 0.29 ms
+        # decay and of the shared partition's q and k (zero-padded). Its output goes into the custom op as it is;
+        # the op runs the three low-rank up-projections as one GEMM over a block-diagonal weight, and the decode
+        # kernel adds the shared partition's low-rank terms itself. Apart, in a 1.5B decode step, the gate's, the
+        # narrow and the up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time for a few MB each
+        # (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md), and packing the op's inputs 0.29 ms
         # (vllm_decode_profile_1b_SSE-H_20261127b.md).
         qkv_bias = config.sse_qkv_bias
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
         r = config.sse_lora_rank
         code_sizes = [config.sse_decay_rank] + ([r, r] if self.lora else [])
-        self.in_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv, *code_sizes, config.sse_num_partitions],
+        self.in_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv, *code_sizes],
                                           [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias]
-                                          + [False] * (len(code_sizes) + 1),
-                                          replicated=len(code_sizes) + 1, prefix=f"{prefix}.in_proj")
-        self.codes = slice(sum(self.in_proj.output_partition_sizes[:4]),
-                           sum(self.in_proj.output_partition_sizes[:4 + len(code_sizes)]))
+                                          + [False] * len(code_sizes),
+                                          replicated=len(code_sizes), prefix=f"{prefix}.in_proj")
+        start = sum(self.in_proj.output_partition_sizes[:4])
+        self.codes = slice(start, start + sum(code_sizes))  # without the padding
+        # The router in float32, weights and logits, as the HF model computes it (`modeling_sse.Float32Router`
+        # says why) and as vLLM's MiniMax-Text-01 computes its MoE gate. Its logits go into the op beside in_proj's
+        # output, their bytes as pairs of in_proj's dtype (`_forward` views them back), so that the op keeps
+        # vLLM's `linear_attention` signature.
+        self.router = ReplicatedLinear(D, config.sse_num_partitions, bias=False, params_dtype=torch.float32,
+                                       prefix=f"{prefix}.router")
         self.low_rank_up = MergedColumnLinear(sum(code_sizes), [H * c] * len(code_sizes),
                                               [True] + [False] * (len(code_sizes) - 1),  # only decay_up has a bias
                                               input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
@@ -360,13 +366,16 @@ class SSELinearAttention(nn.Module):
         T = hidden_states.shape[0]
         projected = self.in_proj(hidden_states)[0]
         gate = projected.split(self.in_proj.output_partition_sizes, -1)[3]
+        router_logits = self.router(hidden_states.float())[0]
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
-        torch.ops.vllm.linear_attention(projected, o, positions, self.prefix)
+        torch.ops.vllm.linear_attention(torch.cat([projected, router_logits.view(projected.dtype)], -1), o,
+                                        positions, self.prefix)
         out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
         return out
 
     def _forward(self, hidden_states: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
-        """The custom op's body: `hidden_states` is `in_proj`'s output, `output` gets o [T, H, d_v]."""
+        """The custom op's body: `hidden_states` is `in_proj`'s output followed by the float32 router logits'
+        bytes, `output` gets o [T, H, d_v]."""
         context = get_forward_context()
         if context.attn_metadata is None:  # a dummy run (memory profile, CUDA graph capture, warm-up): no slots
             if hidden_states.shape[0] >= self.max_num_batched_tokens:
@@ -382,16 +391,16 @@ class SSELinearAttention(nn.Module):
         metadata = context.attn_metadata[self.states_name]
         state = context.no_compile_layers[self.states_name].layer_states(self.state_row)
         num_tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
-        projected = hidden_states[:num_tokens]
-        parts = projected.split(self.in_proj.output_partition_sizes, -1)
-        q, k, v, router = *parts[:3], parts[-1]
+        width = sum(self.in_proj.output_partition_sizes)
+        projected, router = hidden_states[:num_tokens, :width], hidden_states[:num_tokens, width:]
+        q, k, v = projected.split(self.in_proj.output_partition_sizes, -1)[:3]
         decay, *lora = self.low_rank_up(projected[:, self.codes])[0].split(self.low_rank_up.output_partition_sizes,
                                                                             -1)
 
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
         inputs = dict(q=heads(q), k_logits=heads(k), v=heads(v), log_decay=heads(decay),
-                      router_logits=router[:, :self.config.sse_num_partitions])
+                      router_logits=router.view(torch.float32))
         if self.config.sse_shared_partition:  # with low-rank terms, their sums with q and k are taken later
             inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora if self.lora else (q, k))
         self._recur(inputs, metadata, state, output)
@@ -482,7 +491,7 @@ class SSEModel(nn.Module):
 class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
                               "in_proj": ["q_proj", "k_proj", "v_proj", "g_proj", "decay_down", "q_shared_down",
-                                          "k_shared_down", "router"],
+                                          "k_shared_down"],
                               "low_rank_up": ["decay_up", "q_shared_up", "k_shared_up"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):

@@ -236,6 +236,39 @@ def test_fresh_shared_partition_starts_from_the_routed_projections():
     assert layer.q_shared_down.weight.abs().sum() > 0
 
 
+def test_router_logits_are_float32_whatever_the_compute_dtype():
+    """The router's logits are x @ W.T in float32 from the layer's own x and W: in a bf16 model (the bf16 values
+    multiplied exactly), and under bf16 autocast of a float32 model (not rounded through bf16 as the other
+    projections are)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64)
+    bf16 = model_for("sse_n4k2").to(torch.bfloat16).model.layers[0].linear_attn
+    logits = bf16.project(x.bfloat16())["router_logits"]
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, F.linear(x.bfloat16().float(), bf16.router.weight.float()))
+    fp32 = model_for("sse_n4k2").model.layers[0].linear_attn
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inputs = fp32.project(x)
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["router_logits"].dtype == torch.float32
+    assert rel_err(inputs["router_logits"], F.linear(x, fp32.router.weight)) < 1e-6
+
+
+def test_float32_router_gradients():
+    """Exact in float64 (gradcheck); in bf16, x's and W's gradients in bf16 and close to those of a float32
+    F.linear of the same values (the backward runs in x's dtype, as every other projection's does)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    assert torch.autograd.gradcheck(modeling_sse.Float32Router.apply,
+                                    (x.requires_grad_(), w.requires_grad_()))
+    x, w = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    grad = torch.randn(3, 4, 5)
+    modeling_sse.Float32Router.apply(x, w).backward(grad)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    F.linear(x32, w32).backward(grad)
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert rel_err(x.grad, x32.grad) < 1e-2 and rel_err(w.grad, w32.grad) < 1e-2
+
+
 # flex_attention runs on CPU without gradients; flash attention needs a GPU (pytest -m gpu).
 ATTENTION_IMPLEMENTATIONS = ["sdpa", "flex_attention", pytest.param("flash_attention_2", marks=pytest.mark.gpu)]
 

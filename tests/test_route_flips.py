@@ -28,11 +28,12 @@ def test_a_model_against_itself_has_no_flips_and_the_router_patch_is_undone():
     assert same["route_flip_rate"] == 0.0 and same["max"] == 0.0 and same["tokens"] == 2 * 39
     assert same["top 1%"]["share with a flip within 16"] == 0.0
     original = SSELayer.project
-    undo = route_flips.router_in_float32(SSELayer)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randn(1, 5, 64, dtype=torch.bfloat16)
+    assert bf16.model.layers[0].linear_attn.project(x)["router_logits"].dtype == torch.float32
+    undo = route_flips.router_rounded_to_model_dtype(SSELayer)
     try:
-        bf16 = copy.deepcopy(model).to(torch.bfloat16)
-        inputs = bf16.model.layers[0].linear_attn.project(torch.randn(1, 5, 64, dtype=torch.bfloat16))
-        assert inputs["router_logits"].dtype == torch.float32
+        assert bf16.model.layers[0].linear_attn.project(x)["router_logits"].dtype == torch.bfloat16
         patched = route_flips.compare(model, bf16, sequences)
         assert 0.0 < patched["max"] and torch.isfinite(torch.tensor(patched["mean"]))
     finally:

@@ -506,8 +506,9 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
 @pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay, shared_lora):
-    """The vLLM layout: every input a view into one packed [B, width] projection buffer (token stride = width),
-    the output rows of a larger buffer, and (as vLLM passes them) raw decay logits with `decay_normalizer`. Same
+    """The vLLM layout: every input a view into one packed [B, width] projection buffer (token stride = width; the
+    float32 router logits viewed from its bytes), the output rows of a larger buffer, and (as vLLM passes them) raw
+    decay logits with `decay_normalizer`. Same
     result as contiguous float64 inputs with log a = logsigmoid(x) / 16 given, written in place, nothing else
     touched. The decay logits run from -30 to 30 (both branches of the kernel's logsigmoid). With `shared_lora`
     the shared partition's views are low-rank terms, added to q and k for the expected result; they and q, k are
@@ -517,11 +518,14 @@ def test_decode_reads_packed_rows_and_writes_into_out(device, impl, decay, share
     H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
     N, K, B = 4, 2, 5
     slots = torch.tensor([3, -1, 0, 6, 2], device=device)
-    sizes = [H * c, H * c, H * dv, H * c, N, H * c, H * c]   # q, k, v, decay, router, q_shared, k_shared
-    packed = torch.randn(B, sum(sizes), device=device, dtype=F32 if decay == "logits" else BF16)
+    dtype = F32 if decay == "logits" else BF16
+    # q, k, v, decay, router, q_shared, k_shared; the router logits are float32, their bytes in the buffer's dtype
+    sizes = [H * c, H * c, H * dv, H * c, N * 4 // dtype.itemsize, H * c, H * c]
+    packed = torch.randn(B, sum(sizes), device=device, dtype=dtype)
     parts = packed.split(sizes, -1)
     names = ["q", "k_logits", "v", "log_decay", "router_logits", "q_shared", "k_shared_logits"]
-    views = {n: p if n == "router_logits" else p.view(B, H, -1) for n, p in zip(names, parts)}
+    views = {n: p.view(F32) if n == "router_logits" else p.view(B, H, -1) for n, p in zip(names, parts)}
+    views["router_logits"].copy_(torch.randn(B, N, device=device))
     views["log_decay"].copy_(torch.linspace(-30, 30, H * c, device=device).view(H, c)[None])
     log_decay = torch.nn.functional.logsigmoid(views["log_decay"].double()) / 16
     fused = dict(decay_normalizer=16.0) if decay == "logits" else {}
