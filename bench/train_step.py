@@ -10,8 +10,10 @@ one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "pac
 (position ids restarting, as TRL's padding-free collator makes them). Gradient checkpointing off and on.
 Attention runs through transformers' `sdpa` in all three models (SSE-H's attention layer attends per sequence in
 packed rows; Qwen3 gets a document mask), and Qwen3 also through `flex_attention` (a block mask: the fair packed
-baseline where flash-attn is not installed). Reported: tokens/s (median of timed steps after one warm-up), peak
-memory, and SSE-H against the faster Qwen3.
+baseline where flash-attn is not installed). `Qwen3-fused-norm` is Qwen3 (sdpa) with SSE-H's RMSNorm kernel
+(`kernels.rms_norm`) in place of transformers' eager Qwen3RMSNorm, so that SSE-H is also measured against a
+Transformer that differs from it only in its layers' token mixing. Reported: tokens/s (median of timed steps after
+one warm-up), peak memory, and SSE-H against the fastest Qwen3 run.
 """
 import argparse
 import json
@@ -43,14 +45,21 @@ def models():
         # Packed rows under sdpa get transformers' T x T document mask; flex attention skips the masked blocks.
         # flash_attention_2 (varlen) would be the fastest packed path, but the GPU node has no flash-attn.
         "Qwen3-flex": lambda: qwen3("flex_attention"),
+        "Qwen3-fused-norm": lambda: qwen3("sdpa", fused_norm=True),
     }
 
 
-def qwen3(attention: str):
+def qwen3(attention: str, fused_norm: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    import kernels
+
     config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return Qwen3ForCausalLM._from_config(config, attn_implementation=attention)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation=attention)
+    if fused_norm:  # Qwen3RMSNorm runs the same float ops as SSERMSNorm, which kernels.rms_norm fuses
+        for norm in [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]:
+            norm.forward = lambda x, norm=norm: kernels.rms_norm(x, norm.weight, eps=norm.variance_epsilon)
+    return model
 
 
 def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
@@ -84,11 +93,11 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
 
 
 def profile(builds, T: int, top: int = 25) -> list[str]:
-    """GPU time per kernel of one unpacked step (after a warm-up step), SSE-H and Qwen3, and per torch op with its
-    input shapes (which op of the model launched the kernels): a markdown section."""
+    """GPU time per kernel of one unpacked step (after a warm-up step) of each model but all-attention, and per torch
+    op with its input shapes (which op of the model launched the kernels): a markdown section."""
     from torch.profiler import ProfilerActivity
     lines = [f"## T = {T}, unpacked, no checkpointing", ""]
-    for name in [name for name in ("SSE-H", "Qwen3") if name in builds]:
+    for name in [name for name in builds if name != "all-attention"]:
         torch.manual_seed(0)
         model = builds[name]().to("cuda", torch.bfloat16).train()
         ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
@@ -124,8 +133,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--models", nargs="+", choices=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex"],
-                   default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex"],
+    p.add_argument("--models", nargs="+", choices=list(models()),
+                   default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm"],
                    help="an A/B of two trees may time SSE-H alone")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
@@ -169,7 +178,7 @@ def main(argv=None):
              "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for r in rows:
-        baselines = [r[n]["tokens_per_s"] for n in ("Qwen3", "Qwen3-flex") if r.get(n)]
+        baselines = [r[n]["tokens_per_s"] for n in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if r.get(n)]
         ratio = f"{r['SSE-H']['tokens_per_s'] / max(baselines):.2f}" if r.get("SSE-H") and baselines else ""
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "
                      + " | ".join(cell(r[n]) for n in names) + f" | {ratio} |")

@@ -3,11 +3,12 @@
     o, final_state = sse_attention(q, k_logits, v, log_decay, router_logits, top_k=K, ...)
     o = sse_decode(state_cache, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=K, ...)
     y = norm_gate(o, weight, gate, eps=eps)          # the layer's output step: w * rmsnorm(o) * silu(gate)
+    y = rms_norm(x, weight, eps=eps)                 # every RMSNorm of the HF model
 
 Layout: `gla/` is the gated-linear-attention core, `sse/` the SSE operator (`naive.py` the float64 reference,
 `chunk.py` the chunked training paths, `decode.py` the one-token step, `routing.py` what they share),
-`norm_gate.py` the torch twin of the layer's fused output step, `triton/` the GPU kernels.
+`norm_gate.py` the torch twins of RMSNorm and the layer's fused output step, `triton/` the GPU kernels.
 """
-from kernels.dispatch import IMPLEMENTATIONS, norm_gate, sse_attention, sse_decode
+from kernels.dispatch import IMPLEMENTATIONS, norm_gate, rms_norm, sse_attention, sse_decode
 
-__all__ = ["IMPLEMENTATIONS", "norm_gate", "sse_attention", "sse_decode"]
+__all__ = ["IMPLEMENTATIONS", "norm_gate", "rms_norm", "sse_attention", "sse_decode"]

@@ -5,7 +5,7 @@ import importlib.util
 
 import torch
 
-from kernels.norm_gate import norm_gate_torch
+from kernels.norm_gate import norm_gate_torch, rms_norm_torch
 from kernels.sse import log_decay_from_logits, sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
 
 
@@ -29,6 +29,7 @@ IMPLEMENTATIONS = {
 TAKES_DECAY_LOGITS = {"triton_indexed"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
 NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
+RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("kernels.triton.norm_gate", "rms_norm_triton")}
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -139,3 +140,14 @@ def norm_gate(o, weight, gate, *, eps, impl="auto"):
     if impl not in NORM_GATE_IMPLEMENTATIONS:
         raise ValueError(f"unknown norm-gate implementation {impl!r}; known: {sorted(NORM_GATE_IMPLEMENTATIONS)}")
     return NORM_GATE_IMPLEMENTATIONS[impl](o, weight, gate, eps)
+
+
+def rms_norm(x, weight, *, eps, impl="auto"):
+    """w * rmsnorm(x) over the last dimension (every RMSNorm of the HF model). The Triton kernels on CUDA: one
+    launch each way, keeping x and a float32 scale per row for the backward instead of x in float32 and the
+    normalised x (4 bytes an element less; kernels/triton/norm_gate.py)."""
+    if impl == "auto":
+        impl = "triton" if x.device.type == "cuda" and _installed("triton") else "torch"
+    if impl not in RMS_NORM_IMPLEMENTATIONS:
+        raise ValueError(f"unknown RMSNorm implementation {impl!r}; known: {sorted(RMS_NORM_IMPLEMENTATIONS)}")
+    return RMS_NORM_IMPLEMENTATIONS[impl](x, weight, eps)

@@ -30,10 +30,7 @@ class SSERMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, eps=self.eps)
 
 
 class SSEMLP(nn.Module):

@@ -604,27 +604,35 @@ def test_decode_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The layer's output step: w * rmsnorm(o) * silu(gate).
+# RMSNorm, w * rmsnorm(x), and the layer's output step, w * rmsnorm(o) * silu(gate).
 
-@pytest.mark.parametrize("rows, D, dtype, tol", [
-    (37, 16, F32, 1e-5),    # rows not a multiple of the kernel's 16
-    (5, 40, F32, 1e-5),     # D not a power of two
-    (0, 16, F32, 0.0),      # no rows
-    (50, 128, BF16, 1e-2),  # the models' head width, bf16
+@pytest.mark.parametrize("gated", [True, False], ids=["norm_gate", "rms_norm"])
+@pytest.mark.parametrize("rows, D, dtype, tol, programs", [
+    (37, 16, F32, 1e-5, None),    # rows not a multiple of the kernel's 128 per program
+    (5, 40, F32, 1e-5, None),     # D not a power of two
+    (0, 16, F32, 0.0, None),      # no rows
+    (50, 128, BF16, 1e-2, None),  # the models' head width, bf16
+    (50, 128, F32, 1e-5, 3),      # more row blocks (7) than backward programs: each program loops
+    (9, 2048, BF16, 1e-2, 4),     # a hidden state, one row per program, 18 rows over 4 backward programs
 ])
-def test_norm_gate_vs_float64_twin(device, rows, D, dtype, tol):
-    """Forward and backward (o, weight, gate) of the fused kernels against the torch twin in float64."""
-    from kernels.norm_gate import norm_gate_torch
-    from kernels.triton.norm_gate import norm_gate_triton
-    o, gate = (torch.randn(rows, 2, D, device=device) * 3 for _ in range(2))
+def test_norm_vs_float64_twin(device, gated, rows, D, dtype, tol, programs, monkeypatch):
+    """Forward and backward (x, weight[, gate]) of the fused kernels against the torch twins in float64."""
+    from kernels.norm_gate import norm_gate_torch, rms_norm_torch
+    from kernels.triton import norm_gate as kernels_module
+    from kernels.triton.norm_gate import norm_gate_triton, rms_norm_triton
+    if programs:
+        monkeypatch.setattr(kernels_module, "BACKWARD_PROGRAMS", programs)
+    x, gate = (torch.randn(rows, 2, D, device=device) * 3 for _ in range(2))
     weight, dy = torch.randn(D, device=device), torch.randn(rows, 2, D, device=device)
+    inputs = (x, weight, gate) if gated else (x, weight)
+    fns = (norm_gate_triton, norm_gate_torch) if gated else (rms_norm_triton, rms_norm_torch)
     results = {}
-    for name, fn, cast in (("triton", norm_gate_triton, dtype), ("twin", norm_gate_torch, torch.float64)):
-        leaves = [x.to(cast).requires_grad_() for x in (o, weight, gate)]
+    for name, fn, cast in (("triton", fns[0], dtype), ("twin", fns[1], torch.float64)):
+        leaves = [t.to(cast).requires_grad_() for t in inputs]
         y = fn(*leaves, 1e-6)
         assert y.dtype == cast
         results[name] = [y, *torch.autograd.grad(y, leaves, dy.to(cast))]
-    errors = {n: rel_err(a, b) for n, a, b in zip(["y", "d_o", "d_weight", "d_gate"], *results.values())}
+    errors = {n: rel_err(a, b) for n, a, b in zip(["y", "d_x", "d_weight", "d_gate"], *results.values())}
     print({n: f"{e:.1e}" for n, e in errors.items()})
     assert rows == 0 or max(errors.values()) < tol, errors
 

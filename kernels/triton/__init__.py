@@ -8,7 +8,8 @@
 - `chunk.py`    the training paths `sse_triton_varlen` / `sse_triton_mask`: the rows materialised by `expand.py`
                 around flash-linear-attention's `chunk_gla` (kept as baselines)
 - `decode.py`   the fused in-place decode step `sse_decode_triton`
-- `norm_gate.py` the layer's output step w * rmsnorm(o) * silu(gate), forward and backward (`norm_gate_triton`)
+- `norm_gate.py` RMSNorm and the layer's output step w * rmsnorm(o) * silu(gate), forward and backward
+                (`rms_norm_triton`, `norm_gate_triton`)
 `kernels.dispatch` imports this package only when a Triton path is asked for, so `import kernels` needs
 neither a GPU nor flash-linear-attention.
 """

@@ -1,82 +1,109 @@
-"""The SSE layer's output step, y = w * rmsnorm(o) * silu(g) per head, in one Triton kernel each way.
+"""RMSNorm, y = w * rmsnorm(x), and the SSE layer's output step, y = w * rmsnorm(o) * silu(g) per head, in one
+Triton kernel each way (`rms_norm_triton`, `norm_gate_triton`; the gate is a constexpr switch).
 
-Autograd over the torch twin (`kernels/norm_gate.py`) launches about eight elementwise kernels each way and keeps
-o's float32 upcast, the normalised o and the gate's products for the backward (about 0.5 GB per SSE layer at 32k
-tokens of width 2048); these keep o, the gate and one float32 scale per row. Rows are the [..., D] vectors (one
-head's value vector); the forward rounds the normalised o to o's dtype before the weight, as `SSERMSNorm` does.
+Autograd over the torch twins (`kernels/norm_gate.py`) launches about eight elementwise kernels each way and keeps
+x's float32 upcast and the normalised x (and the gate's products) for the backward, 6 bytes an element for a plain
+norm: 384 MB for a 32k x 2048 hidden state. These keep x (and the gate) and one float32 scale per row: 13 norms
+of width 2048 took 3.7 GiB off the peak of bench/train_step.py's SSE-H at 32k tokens, and about 10 % off an 8k
+step's time. Rows are the [..., D] vectors (a hidden state, or one head's value vector); the forward rounds the
+normalised x to x's dtype before the weight, as `SSERMSNorm` does.
 """
 import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # rows per program
+ELEMENTS = 2048  # per program: 16 rows of a head (D = 128), one row of a 2048-wide hidden state
+BACKWARD_PROGRAMS = 1024  # the backward's programs loop over row blocks, so dw's partial sums stay [<= 1024, D]
 
 
 @triton.jit(do_not_specialize=["R"])
-def _norm_gate_fwd_kernel(o_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, R, D, eps, BLOCK_R: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, R, D, eps, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r, d = rows[:, None], tl.arange(0, BLOCK_D)[None, :]
     m = (r < R) & (d < D)
-    x = tl.load(o_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-    normed = (x * rstd[:, None]).to(o_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + r * D + d, (w * normed * g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=m)
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32) * normed
+    if HAS_GATE:
+        g = tl.load(g_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+        y = y * g * tl.sigmoid(g)
+    tl.store(y_ptr + r * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
 
 @triton.jit(do_not_specialize=["R"])
-def _norm_gate_bwd_kernel(o_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, R, D,
-                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """do, dg per row; this program's share of dw (summed over programs by the caller)."""
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r, d = rows[:, None], tl.arange(0, BLOCK_D)[None, :]
-    m = (r < R) & (d < D)
-    rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)[:, None]
-    x_hat = tl.load(o_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) * rstd
-    normed = x_hat.to(o_ptr.dtype.element_ty).to(tl.float32)
+def _bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr, R, D, HAS_GATE: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dx (and dg) per row; this program's share of dw (summed over programs by the caller)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    d = tl.arange(0, BLOCK_D)[None, :]
     w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    d_wn = dy * g * sig  # the gradient of w * normed: silu(g) = g sigmoid(g)
-    tl.store(dg_ptr + r * D + d, (dy * w * normed * sig * (1 + g * (1 - sig))).to(dg_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + pid * D + d, tl.sum(d_wn * normed, 0)[None, :], mask=d < D)
-    d_x_hat = d_wn * w  # the rounding of normed to o's dtype passes the gradient through
-    d_o = rstd * (d_x_hat - x_hat * (tl.sum(d_x_hat * x_hat, 1) / D)[:, None])
-    tl.store(do_ptr + r * D + d, d_o.to(do_ptr.dtype.element_ty), mask=m)
+    dw = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    for start in range(pid * BLOCK_R, R, programs * BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R).to(tl.int64)
+        r = rows[:, None]
+        m = (r < R) & (d < D)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)[:, None]
+        x_hat = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) * rstd
+        normed = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        d_wn = tl.load(dy_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)  # the gradient of w * normed
+        if HAS_GATE:
+            g = tl.load(g_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            tl.store(dg_ptr + r * D + d, (d_wn * w * normed * sig * (1 + g * (1 - sig))).to(dg_ptr.dtype.element_ty),
+                     mask=m)
+            d_wn = d_wn * g * sig  # silu(g) = g sigmoid(g)
+        dw += tl.sum(d_wn * normed, 0)[None, :]
+        d_x_hat = d_wn * w  # the rounding of normed to x's dtype passes the gradient through
+        d_x = rstd * (d_x_hat - x_hat * (tl.sum(d_x_hat * x_hat, 1) / D)[:, None])
+        tl.store(dx_ptr + r * D + d, d_x.to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + pid * D + d, dw, mask=d < D)
 
 
-class _NormGate(torch.autograd.Function):
+def _blocks(D: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(D)
+    return max(1, ELEMENTS // block_d), block_d
+
+
+class _Norm(torch.autograd.Function):
+    """y = w * rmsnorm(x) (* silu(gate) when a gate is given) over the last dimension."""
+
     @staticmethod
-    def forward(ctx, o, weight, gate, eps):
-        D = o.shape[-1]
-        o, gate = o.contiguous(), gate.contiguous()
-        R = o.numel() // D
-        dtype = torch.promote_types(torch.promote_types(weight.dtype, o.dtype), gate.dtype)
-        y = torch.empty(o.shape, dtype=dtype, device=o.device)
-        rstd = torch.empty(R, dtype=torch.float32, device=o.device)
+    def forward(ctx, x, weight, gate, eps):
+        D = x.shape[-1]
+        ctx.has_gate = gate is not None
+        x = x.contiguous()
+        gate = gate.contiguous() if ctx.has_gate else x  # without a gate, x stands in for its unread pointer
+        R = x.numel() // D
+        dtype = torch.promote_types(torch.promote_types(weight.dtype, x.dtype), gate.dtype)
+        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+        block_r, block_d = _blocks(D)
         if R:
-            _norm_gate_fwd_kernel[(triton.cdiv(R, ROWS),)](o, weight, gate, y, rstd, R, D, eps, ROWS,
-                                                           triton.next_power_of_2(D))
-        ctx.save_for_backward(o, weight, gate, rstd)
+            _fwd_kernel[(triton.cdiv(R, block_r),)](x, weight, gate, y, rstd, R, D, eps, ctx.has_gate, block_r, block_d)
+        ctx.save_for_backward(x, weight, gate if ctx.has_gate else None, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        o, weight, gate, rstd = ctx.saved_tensors
-        D, R = o.shape[-1], rstd.numel()
-        d_o, d_gate = torch.empty_like(o), torch.empty_like(gate)
-        programs = triton.cdiv(R, ROWS)
-        dw = torch.zeros(max(programs, 1), D, dtype=torch.float32, device=o.device)
+        x, weight, gate, rstd = ctx.saved_tensors
+        D, R = x.shape[-1], rstd.numel()
+        block_r, block_d = _blocks(D)
+        programs = max(1, min(triton.cdiv(R, block_r), BACKWARD_PROGRAMS))
+        d_x = torch.empty_like(x)
+        d_gate = torch.empty_like(gate) if ctx.has_gate else None
+        dw = torch.zeros(programs, D, dtype=torch.float32, device=x.device)
         if R:
-            _norm_gate_bwd_kernel[(programs,)](o, weight, gate, rstd, dy.contiguous(), d_o, d_gate, dw, R, D, ROWS,
-                                               triton.next_power_of_2(D))
-        return d_o, dw.sum(0).to(weight.dtype), d_gate, None
+            _bwd_kernel[(programs,)](x, weight, gate if ctx.has_gate else x, rstd, dy.contiguous(), d_x,
+                                     d_gate if ctx.has_gate else d_x, dw, R, D, ctx.has_gate, block_r, block_d)
+        return d_x, dw.sum(0).to(weight.dtype), d_gate, None
+
+
+def rms_norm_triton(x, weight, eps):
+    return _Norm.apply(x, weight, None, eps)
 
 
 def norm_gate_triton(o, weight, gate, eps):
-    return _NormGate.apply(o, weight, gate, eps)
+    return _Norm.apply(o, weight, gate, eps)
