@@ -66,8 +66,8 @@ def router_rounded_to_model_dtype(layer_cls):
     model computed them before its float32 router); returns a function that undoes it."""
     original = layer_cls.project
 
-    def project(self, x, token_mask=None):
-        inputs = original(self, x, token_mask)
+    def project(self, x, token_mask=None, recipes=None):
+        inputs = original(self, x, token_mask, recipes)
         inputs["router_logits"] = inputs["router_logits"].to(x.dtype)
         return inputs
     layer_cls.project = project

@@ -3,6 +3,8 @@
 Parameter names follow Qwen2/Qwen3 (`self_attn.q_proj`, `mlp.gate_proj`, ...) so conversion from those models is a
 copy, and the SSE layer lives under `linear_attn` as in transformers' and vLLM's other hybrids.
 """
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -137,6 +139,40 @@ class SSEAttention(nn.Module):
         return o.reshape(S * longest, *o.shape[2:]).index_select(0, slot)[None]  # [1, L, heads, d]
 
 
+@contextlib.contextmanager
+def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
+    """Within the block, autograd keeps a tensor it saves for the backward that is (a view of) one of `recipes`'
+    tensors as that tensor's recipe, and the backward makes it again: the same ops on the same inputs, so bit for
+    bit. For the SSE layer's cheap products of tensors the backward keeps anyway (its decay logits, the shared
+    partition's q and key logits, W_o's input: 4 of the 10 [T, hidden] tensors it kept, 0.5 GiB a layer at 32k
+    tokens of width 2048), which its operator and W_o would otherwise keep. Off where another saved-tensor hook is
+    active: gradient checkpointing (which recomputes the whole layer) or offloading would lose theirs to ours."""
+    if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        yield
+        return
+    # No tensor in here: the saved variables keep this hook, and through it anything it holds, to the backward.
+    by_storage = {t.untyped_storage().data_ptr(): (make, t.dtype, t.storage_offset())
+                  for t, make in recipes if t.numel() and t.is_contiguous()}
+
+    def pack(t):
+        entry = by_storage.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if entry is None or t.dtype != entry[1]:
+            return t
+        make, _, offset = entry
+        return make, t.shape, t.stride(), t.storage_offset() - offset
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        make, shape, stride, offset = packed
+        with torch.no_grad():
+            made = make()
+        return made.as_strided(shape, stride, made.storage_offset() + offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 class Float32Router(torch.autograd.Function):
     """Router logits F.linear(x, W) computed and returned in float32 (float64 for float64 inputs), whatever the
     model's dtype and autocast; vLLM's SSE layer computes the same (`vllm_model.SSELinearAttention.router`).
@@ -200,9 +236,10 @@ class SSELayer(nn.Module):
         self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
                         decay_normalizer=config.sse_decay_normalizer)
 
-    def project(self, x, token_mask=None):
+    def project(self, x, token_mask=None, recipes=None):
         """Every tensor the SSE operator takes (with `self.ops`), from hidden states x [B, T, D]. Pad tokens
-        (token_mask 0) get zero v and decay logits +inf (log-decay 0), which leaves every state untouched."""
+        (token_mask 0) get zero v and decay logits +inf (log-decay 0), which leaves every state untouched. Appends
+        to `recipes` how to make again the inputs that are cheap to (`recomputed_when_saved`)."""
         B, T, _ = x.shape
 
         def heads(t):
@@ -217,25 +254,40 @@ class SSELayer(nn.Module):
         decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
             [m.out_features for m in narrow], -1)
         router_logits = Float32Router.apply(x, self.router.weight)
-        decay_logits = heads(self.decay_up(decay_code))
-        inputs = dict(q=q, k_logits=k, v=v, log_decay=decay_logits, router_logits=router_logits)
+        pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
+
+        def decay_logits():
+            logits = heads(self.decay_up(decay_code))
+            return logits if pad is None else logits.masked_fill(pad, float("inf"))
+
+        def shared(i):  # the shared partition's q (i = 0) or key logits (1)
+            up = (self.q_shared_up, self.k_shared_up)[i] if lora else None
+            return sse_math.shared_partition((q, k)[i], heads(up(shared_codes[i])) if lora else None)
+        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0), log_decay=decay_logits(),
+                      router_logits=router_logits)
+        recipes = [] if recipes is None else recipes
+        recipes.append((inputs["log_decay"], decay_logits))
         if self.config.sse_shared_partition:
-            inputs["q_shared"], inputs["k_shared_logits"] = sse_math.shared_partition_qk(
-                q, k, heads(self.q_shared_up(shared_codes[0])) if lora else None,
-                heads(self.k_shared_up(shared_codes[1])) if lora else None)
-        if token_mask is not None:
-            pad = ~token_mask[:, :, None, None].bool()
-            inputs["v"], inputs["log_decay"] = v.masked_fill(pad, 0.0), decay_logits.masked_fill(pad, float("inf"))
+            inputs["q_shared"], inputs["k_shared_logits"] = shared(0), shared(1)
+            if lora:  # without it they are q and the key logits themselves
+                recipes += [(inputs["q_shared"], functools.partial(shared, 0)),
+                            (inputs["k_shared_logits"], functools.partial(shared, 1))]
         return inputs
 
     def output(self, o, x):
         """Per-head RMSNorm, swish output gate, output projection."""
         B, T, _ = x.shape
         gate = self.g_proj(x).view(B, T, self.num_heads, self.value_dim)
-        return self.o_proj(kernels.norm_gate(o, self.o_norm.weight, gate, eps=self.o_norm.eps).reshape(B, T, -1))
+
+        def gated():
+            return kernels.norm_gate(o, self.o_norm.weight, gate, eps=self.o_norm.eps)
+        y = gated()
+        with recomputed_when_saved([(y, gated)]):  # W_o's input, made again from o and the gate the step keeps
+            return self.o_proj(y.reshape(B, T, -1))
 
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
-        inputs = self.project(x, token_mask)
+        recipes = []
+        inputs = self.project(x, token_mask, recipes)
         state = past_key_values.sse_state(self.layer_idx) if past_key_values is not None else None
         if state is not None and x.shape[1] == 1:
             step = {name: t[:, 0] for name, t in inputs.items()}
@@ -243,9 +295,10 @@ class SSELayer(nn.Module):
             # updates the cached state in place
             o = kernels.sse_decode(state, slots, **step, **self.ops, impl=self.config.sse_decode_impl)[:, None]
         else:
-            o, final = kernels.sse_attention(**inputs, **self.ops, initial_state=state,
-                                             output_final_state=past_key_values is not None,
-                                             cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
+            with recomputed_when_saved(recipes):
+                o, final = kernels.sse_attention(**inputs, **self.ops, initial_state=state,
+                                                 output_final_state=past_key_values is not None,
+                                                 cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
             if past_key_values is not None:
                 past_key_values.update_recurrent_state(final.float(), self.layer_idx)
         return self.output(o.to(x.dtype), x), inputs["router_logits"]

@@ -7,12 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
-def shared_partition_qk(q: torch.Tensor, k_logits: torch.Tensor, q_lora: torch.Tensor | None,
-                        k_lora: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared partition's q and key logits: the routed ones plus a low-rank term (none when the rank is 0)."""
-    if q_lora is None:
-        return q, k_logits
-    return q + q_lora, k_logits + k_lora
+def shared_partition(routed: torch.Tensor, low_rank: torch.Tensor | None) -> torch.Tensor:
+    """The shared partition's q (or key logits): the routed one plus a low-rank term (none when the rank is 0)."""
+    return routed if low_rank is None else routed + low_rank
 
 
 def gated_output(o_normed: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:

@@ -427,8 +427,8 @@ class SSELinearAttention(nn.Module):
             prefill_slots = slots[nd + first:nd + last].long()
             prefill = {name: t[tokens][None] for name, t in inputs.items()}
             if self.lora:
-                prefill["q_shared"], prefill["k_shared_logits"] = sse_math.shared_partition_qk(
-                    prefill["q"], prefill["k_logits"], prefill["q_shared"], prefill["k_shared_logits"])
+                prefill["q_shared"] = sse_math.shared_partition(prefill["q"], prefill["q_shared"])
+                prefill["k_shared_logits"] = sse_math.shared_partition(prefill["k_logits"], prefill["k_shared_logits"])
             o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)

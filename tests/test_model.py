@@ -1,4 +1,5 @@
 """SSE-H on Hugging Face transformers (issue 2): config, registration, checkpoints, padding, packing, generation."""
+import contextlib
 import json
 
 import pytest
@@ -396,6 +397,49 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert rel_err(grads[1], grads[0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("lora", [4, 0])
+def test_cheap_inputs_are_recomputed_in_the_backward_bit_for_bit(dtype, padded, lora, monkeypatch):
+    """The SSE layer keeps its decay logits, shared-partition q / key logits and W_o's input as recipes
+    (`recomputed_when_saved`) where its operator or W_o saves them: the backward makes them again, and every
+    gradient equals the one of a layer that kept them. An outer saved-tensor hook (as gradient checkpointing
+    installs) turns the recipes off. Which of the operator's inputs a path saves as they are is the path's own (the
+    Triton path's, all: tests/test_triton_kernels.py); W_o always saves its input, so the output step runs again
+    and its output's memory is free between the forward and the backward."""
+    import kernels
+    torch.manual_seed(0)
+    layer = SSEForCausalLM(tiny_config(sse_lora_rank=lora)).model.layers[0].linear_attn.to(dtype)
+    x = torch.randn(2, 9, 64, dtype=dtype)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    dy = torch.randn(2, 9, 64, dtype=dtype)
+    norm_gate, calls = kernels.norm_gate, []
+
+    def counted(*args, **kwargs):  # keeps a weak reference to the output's memory
+        y = norm_gate(*args, **kwargs)
+        calls.append(y.untyped_storage()._weak_ref())
+        return y
+    monkeypatch.setattr(kernels, "norm_gate", counted)
+
+    def grads(recompute):
+        calls.clear()
+        leaf = x.clone().requires_grad_()
+        identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with contextlib.nullcontext() if recompute else identity:
+            y, _ = layer(leaf, token_mask=mask if padded else None)
+        made, freed = len(calls), torch.UntypedStorage._expired(calls[0])
+        out = torch.autograd.grad(y, [leaf, *layer.parameters()], dy, allow_unused=True)
+        return out, (made, len(calls) - made, freed)
+
+    kept, counts = grads(recompute=False)
+    assert counts == (1, 0, False)
+    recomputed, counts = grads(recompute=True)
+    assert counts == (1, 1, True)  # W_o's input freed after the forward, made again in the backward
+    for a, b in zip(recomputed, kept):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

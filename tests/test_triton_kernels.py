@@ -14,6 +14,7 @@ Router logits stay float32 everywhere: ties among bf16 logits would make top-K a
 reference. Errors are ||x - ref|| / ||ref|| (conftest.rel_err: NaN or inf never passes). Every test draws a fresh
 seed, printed with a failure; SSE_TEST_SEED=<seed> replays it.
 """
+import contextlib
 import functools
 import importlib.util
 import os
@@ -635,6 +636,53 @@ def test_norm_vs_float64_twin(device, gated, rows, D, dtype, tol, programs, monk
     errors = {n: rel_err(a, b) for n, a, b in zip(["y", "d_x", "d_weight", "d_gate"], *results.values())}
     print({n: f"{e:.1e}" for n, e in errors.items()})
     assert rows == 0 or max(errors.values()) < tol, errors
+
+
+def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch):
+    """The Triton path's operator saves the decay logits and the shared partition's q and key logits as they come,
+    so the HF layer keeps all three as recipes (`modeling_sse.recomputed_when_saved`), as it keeps W_o's input: their
+    memory is free once the forward returns, they are made again in the backward, and the gradients are those of a
+    layer that kept the tensors."""
+    import kernels
+    from sse_model import SSEConfig, SSEForCausalLM
+    config = SSEConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                       layer_types=["linear_attention"], num_attention_heads=2, head_dim=32, sse_num_heads=2,
+                       sse_key_dim=32, sse_value_dim=32, sse_num_partitions=4, sse_top_k=1, sse_lora_rank=4,
+                       sse_impl="triton_indexed")
+    layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
+    calls, storages = [], []
+    for name in ("decay_up", "q_shared_up", "k_shared_up"):
+        getattr(layer, name).register_forward_hook(lambda *_, name=name: calls.append(name))
+    project, norm_gate = layer.project, kernels.norm_gate
+
+    def remembered(*tensors):  # weak references to their memory, not to the tensor objects
+        storages.extend(t.untyped_storage()._weak_ref() for t in tensors)
+        return tensors[0]
+    def project_remembered(*args):
+        inputs = project(*args)
+        remembered(inputs["log_decay"], inputs["q_shared"], inputs["k_shared_logits"])
+        return inputs
+    monkeypatch.setattr(layer, "project", project_remembered)
+    monkeypatch.setattr(kernels, "norm_gate", lambda *a, **kw: remembered(norm_gate(*a, **kw)))
+    x, dy = torch.randn(1, 40, 64, device=device), torch.randn(1, 40, 64, device=device)
+
+    def grads(recompute):
+        calls.clear()
+        storages.clear()
+        leaf = x.clone().requires_grad_()
+        identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with contextlib.nullcontext() if recompute else identity:
+            y, _ = layer(leaf)
+        made, freed = len(calls), [torch.UntypedStorage._expired(s) for s in storages]
+        return torch.autograd.grad(y, [leaf, *layer.parameters()], dy, allow_unused=True), (made, len(calls) - made,
+                                                                                            freed)
+
+    recomputed, counts = grads(recompute=True)
+    assert counts == (3, 3, [True] * 4)
+    kept, counts = grads(recompute=False)
+    assert counts == (3, 0, [False] * 4)
+    errors = [rel_err(a, b) for a, b in zip(recomputed, kept) if a is not None]
+    assert len(errors) == len(kept) and max(errors) < 1e-6, errors
 
 
 # ---------------------------------------------------------------------------------------------------------------
