@@ -150,7 +150,7 @@ def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.T
     if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         yield
         return
-    # No tensor in here: the saved variables keep this hook, and through it anything it holds, to the backward.
+    # No tensor in here: the saved variables keep this hook, and through it what it holds, to the backward.
     by_storage = {t.untyped_storage().data_ptr(): (make, t.dtype, t.storage_offset())
                   for t, make in recipes if t.numel() and t.is_contiguous()}
 
@@ -170,7 +170,10 @@ def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.T
         return made.as_strided(shape, stride, made.storage_offset() + offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+        try:
+            yield
+        finally:  # the saved variables keep `pack`: only the recipes they took may keep their inputs alive
+            by_storage.clear()
 
 
 class Float32Router(torch.autograd.Function):
