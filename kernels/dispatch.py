@@ -122,32 +122,29 @@ def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top
     Returns o [B, H, d_v], written into `out` [B, H, d_v] when given (the Triton kernel writes it directly).
     With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer.
     With `shared_lora`, q_shared and k_shared_logits are low-rank terms added to q and k_logits (sse_decode_torch)."""
-    if impl == "auto":
-        impl = "triton" if state.device.type == "cuda" and _installed("triton") else "torch"
-    if impl not in DECODE_IMPLEMENTATIONS:
-        raise ValueError(f"unknown SSE decode implementation {impl!r}; known: {sorted(DECODE_IMPLEMENTATIONS)}")
-    return DECODE_IMPLEMENTATIONS[impl](state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
-                                        q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
-                                        scale=scale, out=out, decay_normalizer=decay_normalizer,
-                                        shared_lora=shared_lora)
+    decode = _triton_or_torch(DECODE_IMPLEMENTATIONS, impl, state.device, "SSE decode")
+    return decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
+                  k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, out=out,
+                  decay_normalizer=decay_normalizer, shared_lora=shared_lora)
 
 
 def norm_gate(o, weight, gate, *, eps, impl="auto"):
     """w * rmsnorm(o) * silu(gate) over the last dimension (the SSE layer's output step, kernels/norm_gate.py).
     The Triton kernels on CUDA: one launch each way and no float32 copies kept for the backward."""
-    if impl == "auto":
-        impl = "triton" if o.device.type == "cuda" and _installed("triton") else "torch"
-    if impl not in NORM_GATE_IMPLEMENTATIONS:
-        raise ValueError(f"unknown norm-gate implementation {impl!r}; known: {sorted(NORM_GATE_IMPLEMENTATIONS)}")
-    return NORM_GATE_IMPLEMENTATIONS[impl](o, weight, gate, eps)
+    return _triton_or_torch(NORM_GATE_IMPLEMENTATIONS, impl, o.device, "norm-gate")(o, weight, gate, eps)
 
 
 def rms_norm(x, weight, *, eps, impl="auto"):
     """w * rmsnorm(x) over the last dimension (every RMSNorm of the HF model). The Triton kernels on CUDA: one
     launch each way, keeping x and a float32 scale per row for the backward instead of x in float32 and the
     normalised x (4 bytes an element less; kernels/triton/norm_gate.py)."""
+    return _triton_or_torch(RMS_NORM_IMPLEMENTATIONS, impl, x.device, "RMSNorm")(x, weight, eps)
+
+
+def _triton_or_torch(implementations: dict, impl: str, device: torch.device, what: str):
+    """The implementation `impl` names; "auto" is the Triton kernel on CUDA, the torch twin elsewhere."""
     if impl == "auto":
-        impl = "triton" if x.device.type == "cuda" and _installed("triton") else "torch"
-    if impl not in RMS_NORM_IMPLEMENTATIONS:
-        raise ValueError(f"unknown RMSNorm implementation {impl!r}; known: {sorted(RMS_NORM_IMPLEMENTATIONS)}")
-    return RMS_NORM_IMPLEMENTATIONS[impl](x, weight, eps)
+        impl = "triton" if device.type == "cuda" and _installed("triton") else "torch"
+    if impl not in implementations:
+        raise ValueError(f"unknown {what} implementation {impl!r}; known: {sorted(implementations)}")
+    return implementations[impl]

@@ -73,17 +73,19 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
         D = x.shape[-1]
-        ctx.has_gate = gate is not None
         x = x.contiguous()
-        gate = gate.contiguous() if ctx.has_gate else x  # without a gate, x stands in for its unread pointer
+        gate = None if gate is None else gate.contiguous()
         R = x.numel() // D
-        dtype = torch.promote_types(torch.promote_types(weight.dtype, x.dtype), gate.dtype)
+        dtype = torch.promote_types(weight.dtype, x.dtype)
+        dtype = dtype if gate is None else torch.promote_types(dtype, gate.dtype)
         y = torch.empty(x.shape, dtype=dtype, device=x.device)
         rstd = torch.empty(R, dtype=torch.float32, device=x.device)
         block_r, block_d = _blocks(D)
         if R:
-            _fwd_kernel[(triton.cdiv(R, block_r),)](x, weight, gate, y, rstd, R, D, eps, ctx.has_gate, block_r, block_d)
-        ctx.save_for_backward(x, weight, gate if ctx.has_gate else None, rstd)
+            # without a gate, x stands in for its pointer, which the kernel does not read
+            _fwd_kernel[(triton.cdiv(R, block_r),)](x, weight, x if gate is None else gate, y, rstd, R, D, eps,
+                                                    gate is not None, block_r, block_d)
+        ctx.save_for_backward(x, weight, gate, rstd)
         return y
 
     @staticmethod
@@ -93,11 +95,12 @@ class _Norm(torch.autograd.Function):
         block_r, block_d = _blocks(D)
         programs = max(1, min(triton.cdiv(R, block_r), BACKWARD_PROGRAMS))
         d_x = torch.empty_like(x)
-        d_gate = torch.empty_like(gate) if ctx.has_gate else None
+        d_gate = None if gate is None else torch.empty_like(gate)
         dw = torch.zeros(programs, D, dtype=torch.float32, device=x.device)
         if R:
-            _bwd_kernel[(programs,)](x, weight, gate if ctx.has_gate else x, rstd, dy.contiguous(), d_x,
-                                     d_gate if ctx.has_gate else d_x, dw, R, D, ctx.has_gate, block_r, block_d)
+            gated = gate is not None  # else x and d_x stand in for the gate's pointers, which are not touched
+            _bwd_kernel[(programs,)](x, weight, gate if gated else x, rstd, dy.contiguous(), d_x,
+                                     d_gate if gated else d_x, dw, R, D, gated, block_r, block_d)
         return d_x, dw.sum(0).to(weight.dtype), d_gate, None
 
 
