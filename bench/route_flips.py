@@ -6,7 +6,7 @@ float32, teacher-forced on held-out arithmetic text, on the CPU.
 Per token: |log p_bf16 - log p_fp32| of the text's next token, and whether an SSE layer routes the token that
 predicts it, or one of the k before, to another top-1 partition in bf16 than in float32 (a near tie of router
 logits that bf16 flips). If flips carry the heavy tail, the largest differences follow a flip far more often than
-tokens do on average. The model computes its router logits in float32 (`modeling_sse.Float32Router`); the run is
+tokens do on average. The model computes its router logits in float32 (`modeling_sse.float32_router`); the run is
 repeated with them rounded to bf16, as the model and the vLLM backend computed them before (patched in here): the
 gap between the two is what the float32 router buys. Writes
 bench/results/route_flips_<checkpoint>_<date>.json/.md. (The GPU parity module, tests/test_vllm_gpu.py, records the same
@@ -67,9 +67,9 @@ def router_rounded_to_model_dtype(layer_cls):
     original = layer_cls.project
 
     def project(self, x, token_mask=None, recipes=None):
-        inputs = original(self, x, token_mask, recipes)
+        inputs, gate = original(self, x, token_mask, recipes)
         inputs["router_logits"] = inputs["router_logits"].to(x.dtype)
-        return inputs
+        return inputs, gate
     layer_cls.project = project
     return lambda: setattr(layer_cls, "project", original)
 

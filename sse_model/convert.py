@@ -185,7 +185,7 @@ def init_sse_layer(layer: SSELayer, attn, config: SSEConfig, generator: torch.Ge
 
 def sse_core_output(layer: SSELayer, x: torch.Tensor) -> torch.Tensor:
     """The SSE operator's output [B, T, H, d_v] (float32) before o_norm, gate and o_proj."""
-    o, _ = kernels.sse_attention(**layer.project(x), **layer.ops, impl=layer.config.sse_impl)
+    o, _ = kernels.sse_attention(**layer.project(x)[0], **layer.ops, impl=layer.config.sse_impl)
     return o.float()
 
 

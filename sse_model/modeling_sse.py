@@ -4,7 +4,6 @@ Parameter names follow Qwen2/Qwen3 (`self_attn.q_proj`, `mlp.gate_proj`, ...) so
 copy, and the SSE layer lives under `linear_attn` as in transformers' and vLLM's other hybrids.
 """
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -176,31 +175,97 @@ def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.T
             by_storage.clear()
 
 
-class Float32Router(torch.autograd.Function):
-    """Router logits F.linear(x, W) computed and returned in float32 (float64 for float64 inputs), whatever the
-    model's dtype and autocast; vLLM's SSE layer computes the same (`vllm_model.SSELinearAttention.router`).
+def float32_router(x, weight):
+    """Router logits F.linear(x, W) in float32 (float64 for float64 inputs), whatever the model's dtype and
+    autocast; vLLM's SSE layer computes the same (`vllm_model.SSELinearAttention.router`).
 
     Why: a top-1 choice between near-tied logits flips when the logits are rounded to bf16, and the trainer and the
     engine round different near ties differently (their inputs differ in the last bits), after which the token's
     state update goes to another partition. On the embedded default's checkpoints, bf16 router logits flipped
-    4-10 % of the top-1 routes against float32 and float32 ones 0.5-3 % (bench/route_flips.py). Only x and W are
-    kept for the backward, in their own dtype (a float32 copy of a 32k x 2048 bf16 x would be 268 MB a layer), and
-    the backward runs in x's dtype as for any other projection."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+    4-10 % of the top-1 routes against float32 and float32 ones 0.5-3 % (bench/route_flips.py)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    if torch.is_autocast_enabled(x.device.type):  # entering autocast's context costs the host; only when it is on
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.to(dtype), weight.to(dtype))
+    return F.linear(x.to(dtype), weight.to(dtype))
+
+
+class SSEInputProjections(torch.autograd.Function):
+    """Every projection the SSE layer makes of its input x [B, T, D], as one autograd node:
+
+        q, k, v, gate = x W^T + b                                  (bias optional)
+        codes = x [W_decay_down; W_q_shared_down; W_k_shared_down]^T   (one GEMM; the low-rank ones with the LoRA)
+        decay logits = codes_decay W_decay_up^T + b_decay_up
+        q_shared = q + codes_q W_q_shared_up^T,  k_shared = k + codes_k W_k_shared_up^T   (with the LoRA)
+        router logits = x W_router^T in float32 (`float32_router`)
+
+    Returned as [B, T, H, -1] heads (router [B, T, N], codes [B, T, sum of ranks], which the layer's recipes make
+    the low-rank terms again from; not differentiable). Why one node: as separate modules these were ~40 autograd
+    nodes per layer and x's gradient came as 6 products summed by 5 bf16 adds; the SSE layer's host time bound
+    the 8k training step (kernels/NOTES.md). Here the backward sums x's gradient inside the GEMMs (addmm) and runs
+    no autograd bookkeeping in between. Gradients are those of the same modules up to the order of that sum
+    (float64 gradcheck and the modules' autograd in tests/test_model.py). Under autocast the forward's ops cast as
+    nn.Linear's would, and the backward runs in the outputs' dtype with the gradients cast back to each input's.
+    Keeps x, the weights and the codes for the backward (the modules kept x and the codes too)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.autocast(x.device.type, enabled=False):
-            grad = grad.to(x.dtype)
-            grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
-            return grad @ weight.to(x.dtype), grad_weight.to(weight.dtype)
+    def forward(ctx, x, heads, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
+                b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up):
+        B, T, _ = x.shape
+        lora = w_q_shared_down is not None
+        q, k, v, gate = (F.linear(x, w, b).view(B, T, heads, -1)
+                         for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v), (w_gate, b_gate)))
+        downs = [w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else [])
+        codes = F.linear(x, torch.cat(downs))
+        decay_code, *shared_codes = codes.split([w.shape[0] for w in downs], -1)
+        decay = F.linear(decay_code, w_decay_up, b_decay_up).view(B, T, heads, -1)
+        q_shared = k_shared = None
+        if lora:
+            q_shared = sse_math.shared_partition(q, F.linear(shared_codes[0], w_q_shared_up).view(B, T, heads, -1))
+            k_shared = sse_math.shared_partition(k, F.linear(shared_codes[1], w_k_shared_up).view(B, T, heads, -1))
+        router = float32_router(x, w_router)
+        ctx.mark_non_differentiable(codes)
+        ctx.save_for_backward(x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down,
+                              w_decay_up, b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up)
+        return q, k, v, gate, decay, q_shared, k_shared, router, codes
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dgate, ddecay, dq_shared, dk_shared, drouter, _):
+        (x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up, b_decay_up,
+         w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up) = ctx.saved_tensors
+        lora = w_q_shared_down is not None
+        dtype = codes.dtype  # the forward's compute dtype (autocast's, or the model's)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        sizes = [w_decay_down.shape[0]] + ([w_q_shared_down.shape[0]] * 2 if lora else [])
+        decay_code, *shared_codes = codes.reshape(-1, codes.shape[-1]).split(sizes, -1)
+
+        def rows(dy):  # [B, T, ...] -> [B * T, features] in the compute dtype
+            return dy.reshape(x2.shape[0], -1).to(dtype)
+
+        def weight_grads(dy, w, b, inputs):  # of y = inputs w^T + b
+            return (dy.t() @ inputs).to(w.dtype), None if b is None else dy.sum(0).to(b.dtype)
+        if lora:  # q_shared = q + ..., so q's gradient gets q_shared's (and k's k_shared's)
+            dq, dk = dq + dq_shared, dk + dk_shared
+        # The low-rank up projections, then every projection of x.
+        ups = [(rows(ddecay), w_decay_up, b_decay_up, decay_code)]
+        if lora:
+            ups += [(rows(dq_shared), w_q_shared_up, None, shared_codes[0]),
+                    (rows(dk_shared), w_k_shared_up, None, shared_codes[1])]
+        up_grads = [weight_grads(*up) for up in ups]
+        d_codes = torch.cat([dy @ w.to(dtype) for dy, w, _, _ in ups], -1)
+        downs = torch.cat([w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else []))
+        projections = [(rows(dq), w_q, b_q), (rows(dk), w_k, b_k), (rows(dv), w_v, b_v),
+                       (rows(dgate), w_gate, b_gate), (d_codes, downs, None), (rows(drouter), w_router, None)]
+        # x's gradient: the products summed inside the GEMMs (addmm; no add kernels in between)
+        dx = projections[0][0] @ w_q.to(dtype)
+        for dy, w, _ in projections[1:]:
+            dx.addmm_(dy, w.to(dtype))
+        (dw_q, db_q), (dw_k, db_k), (dw_v, db_v), (dw_gate, db_gate), (dw_downs, _), (dw_router, _) = (
+            weight_grads(dy, w, b, x2) for dy, w, b in projections)
+        dw_downs = dw_downs.split(sizes)
+        shared_grads = (dw_downs[1], up_grads[1][0], dw_downs[2], up_grads[2][0]) if lora else (None,) * 4
+        return (dx.view(x.shape).to(x.dtype), None, dw_q, db_q, dw_k, db_k, dw_v, db_v, dw_gate, db_gate, dw_router,
+                dw_downs[0], *up_grads[0], *shared_grads)
 
 
 class SSELayer(nn.Module):
@@ -240,47 +305,51 @@ class SSELayer(nn.Module):
                         decay_normalizer=config.sse_decay_normalizer)
 
     def project(self, x, token_mask=None, recipes=None):
-        """Every tensor the SSE operator takes (with `self.ops`), from hidden states x [B, T, D]. Pad tokens
-        (token_mask 0) get zero v and decay logits +inf (log-decay 0), which leaves every state untouched. Appends
-        to `recipes` how to make again the inputs that are cheap to (`recomputed_when_saved`)."""
+        """(every tensor the SSE operator takes, with `self.ops`; the output gate's logits) from hidden states
+        x [B, T, D], all in one autograd node (`SSEInputProjections`). Pad tokens (token_mask 0) get zero v and decay
+        logits +inf (log-decay 0), which leaves every state untouched. Appends to `recipes` how to make again the
+        inputs that are cheap to (`recomputed_when_saved`)."""
         B, T, _ = x.shape
-
-        def heads(t):
-            return t.view(B, T, self.num_heads, -1)
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         lora = hasattr(self, "q_shared_up")
-        # The low-rank down projections (4-64 outputs each) as one GEMM over their stacked weights (vLLM stacks
-        # them after q/k/v/g in its `in_proj`): one launch and one product for x's gradient instead of three of each
-        # plus two adds (the wide projections stay apart: stacked, their 8k-wide output cost more than it saved,
-        # kernels/NOTES.md). The router is apart too, in float32 (`Float32Router`).
-        narrow = [self.decay_down] + ([self.q_shared_down, self.k_shared_down] if lora else [])
-        decay_code, *shared_codes = F.linear(x, torch.cat([m.weight for m in narrow])).split(
-            [m.out_features for m in narrow], -1)
-        router_logits = Float32Router.apply(x, self.router.weight)
+        shared_weights = ((self.q_shared_down.weight, self.q_shared_up.weight, self.k_shared_down.weight,
+                           self.k_shared_up.weight) if lora else (None,) * 4)
+        q, k, v, gate, decay, q_shared, k_shared, router_logits, codes = SSEInputProjections.apply(
+            x, self.num_heads, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+            self.v_proj.weight, self.v_proj.bias, self.g_proj.weight, self.g_proj.bias, self.router.weight,
+            self.decay_down.weight, self.decay_up.weight, self.decay_up.bias, *shared_weights)
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
+        sizes = [self.decay_down.out_features] + ([self.q_shared_down.out_features] * 2 if lora else [])
+        autocast = torch.is_autocast_enabled(x.device.type)
+        autocast_dtype = torch.get_autocast_dtype(x.device.type)
+
+        def made_again(i, up, base=None):
+            """SSEInputProjections' i-th low-rank term from its codes (the same ops, so bit for bit; under the
+            forward's autocast, which the backward that runs this is not in), plus `base`."""
+            def make():
+                with torch.autocast(x.device.type, autocast_dtype) if autocast else contextlib.nullcontext():
+                    term = F.linear(codes.split(sizes, -1)[i], up.weight, up.bias).view(B, T, self.num_heads, -1)
+                return term if base is None else sse_math.shared_partition(base, term)
+            return make
 
         def decay_logits():
-            logits = heads(self.decay_up(decay_code))
+            logits = made_again(0, self.decay_up)()
             return logits if pad is None else logits.masked_fill(pad, float("inf"))
-
-        def shared(i):  # the shared partition's q (i = 0) or key logits (1)
-            up = (self.q_shared_up, self.k_shared_up)[i] if lora else None
-            return sse_math.shared_partition((q, k)[i], heads(up(shared_codes[i])) if lora else None)
-        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0), log_decay=decay_logits(),
+        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0),
+                      log_decay=decay if pad is None else decay.masked_fill(pad, float("inf")),
                       router_logits=router_logits)
         recipes = [] if recipes is None else recipes
         recipes.append((inputs["log_decay"], decay_logits))
-        if self.config.sse_shared_partition:
-            inputs["q_shared"], inputs["k_shared_logits"] = shared(0), shared(1)
-            if lora:  # without it they are q and the key logits themselves
-                recipes += [(inputs["q_shared"], functools.partial(shared, 0)),
-                            (inputs["k_shared_logits"], functools.partial(shared, 1))]
-        return inputs
+        if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
+            inputs["q_shared"] = q if q_shared is None else q_shared
+            inputs["k_shared_logits"] = k if k_shared is None else k_shared
+            if lora:
+                recipes += [(q_shared, made_again(1, self.q_shared_up, q)),
+                            (k_shared, made_again(2, self.k_shared_up, k))]
+        return inputs, gate
 
-    def output(self, o, x):
+    def output(self, o, gate):
         """Per-head RMSNorm, swish output gate, output projection."""
-        B, T, _ = x.shape
-        gate = self.g_proj(x).view(B, T, self.num_heads, self.value_dim)
+        B, T = o.shape[:2]
 
         def gated():
             return kernels.norm_gate(o, self.o_norm.weight, gate, eps=self.o_norm.eps)
@@ -290,7 +359,7 @@ class SSELayer(nn.Module):
 
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         recipes = []
-        inputs = self.project(x, token_mask, recipes)
+        inputs, gate = self.project(x, token_mask, recipes)
         state = past_key_values.sse_state(self.layer_idx) if past_key_values is not None else None
         if state is not None and x.shape[1] == 1:
             step = {name: t[:, 0] for name, t in inputs.items()}
@@ -304,7 +373,7 @@ class SSELayer(nn.Module):
                                                  cu_seqlens=cu_seqlens, impl=self.config.sse_impl)
             if past_key_values is not None:
                 past_key_values.update_recurrent_state(final.float(), self.layer_idx)
-        return self.output(o.to(x.dtype), x), inputs["router_logits"]
+        return self.output(o.to(x.dtype), gate), inputs["router_logits"]
 
 
 class SSEDecoderLayer(nn.Module):
@@ -356,20 +425,22 @@ class SSECache(DynamicCache):
 
 
 def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None):
-    """alpha-free balance term N * sum_i f_i P_i over non-pad tokens, and the usage f [N] for logging.
+    """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers, and the usage f
+    [layers, N] for logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go:
+    per layer, these ~15 small ops each way were a visible share of the training step's host time).
 
     f_i is the fraction of tokens routed to partition i (sums to K), P_i the mean router probability."""
     N = router_logits.shape[-1]
-    probs = torch.softmax(router_logits.float(), -1).reshape(-1, N)
-    chosen = torch.zeros_like(probs).scatter_(-1, router_logits.reshape(-1, N).topk(top_k, -1).indices, 1.0)
+    logits = router_logits.reshape(router_logits.shape[0], -1, N)
+    probs = torch.softmax(logits.float(), -1)
+    chosen = torch.zeros_like(probs).scatter_(-1, logits.topk(top_k, -1).indices, 1.0)
     if token_mask is None:
-        weight = torch.ones(probs.shape[0], 1, device=probs.device)
+        usage, mean_prob = chosen.mean(1), probs.mean(1)
     else:
-        weight = token_mask.reshape(-1, 1).float()
-    count = weight.sum().clamp(min=1)
-    usage = (chosen * weight).sum(0) / count
-    mean_prob = (probs * weight).sum(0) / count
-    return N * (usage * mean_prob).sum(), usage.detach()
+        weight = token_mask.reshape(1, -1, 1).float()
+        count = weight.sum().clamp(min=1)
+        usage, mean_prob = (chosen * weight).sum(1) / count, (probs * weight).sum(1) / count
+    return N * (usage * mean_prob).sum(-1).mean(), usage.detach()
 
 
 def attends_per_sequence(config, cu_seqlens, token_mask) -> bool:
@@ -504,9 +575,7 @@ class SSEModel(SSEPreTrainedModel):
             past_key_values.seen_tokens += T
         aux, usage = None, None
         if router_logits:
-            terms = [balance_loss(r, self.config.sse_top_k, layer_kwargs["token_mask"]) for r in router_logits]
-            aux = torch.stack([t[0] for t in terms]).mean()
-            usage = torch.stack([t[1] for t in terms])
+            aux, usage = balance_loss(torch.stack(router_logits), self.config.sse_top_k, layer_kwargs["token_mask"])
         return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
                               partition_usage=usage)
 

@@ -244,30 +244,78 @@ def test_router_logits_are_float32_whatever_the_compute_dtype():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 64)
     bf16 = model_for("sse_n4k2").to(torch.bfloat16).model.layers[0].linear_attn
-    logits = bf16.project(x.bfloat16())["router_logits"]
+    logits = bf16.project(x.bfloat16())[0]["router_logits"]
     assert logits.dtype == torch.float32
     assert torch.equal(logits, F.linear(x.bfloat16().float(), bf16.router.weight.float()))
     fp32 = model_for("sse_n4k2").model.layers[0].linear_attn
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        inputs = fp32.project(x)
-    assert inputs["q"].dtype == torch.bfloat16 and inputs["router_logits"].dtype == torch.float32
+        inputs, gate = fp32.project(x)
+    assert inputs["q"].dtype == gate.dtype == torch.bfloat16 and inputs["router_logits"].dtype == torch.float32
     assert rel_err(inputs["router_logits"], F.linear(x, fp32.router.weight)) < 1e-6
 
 
-def test_float32_router_gradients():
-    """Exact in float64 (gradcheck); in bf16, x's and W's gradients in bf16 and close to those of a float32
-    F.linear of the same values (the backward runs in x's dtype, as every other projection's does)."""
+def projections_by_modules(layer, x):
+    """What SSEInputProjections computes, as the layer's modules under autograd: the reference for its
+    hand-written backward. Returns (q, k_logits, v, gate, decay logits, q_shared, k_shared_logits, router)."""
+    B, T, _ = x.shape
+
+    def heads(t):
+        return t.view(B, T, layer.num_heads, -1)
+    q, k, v, gate = (heads(m(x)) for m in (layer.q_proj, layer.k_proj, layer.v_proj, layer.g_proj))
+    shared = [heads(layer.q_shared_up(layer.q_shared_down(x))), heads(layer.k_shared_up(layer.k_shared_down(x)))]
+    with torch.autocast("cpu", enabled=False):
+        router = F.linear(x.float(), layer.router.weight.float())
+    return q, k, v, gate, heads(layer.decay_up(layer.decay_down(x))), q + shared[0], k + shared[1], router
+
+
+@pytest.mark.parametrize("lora", [3, 0])
+def test_input_projections_gradients_in_float64(lora):
+    """SSEInputProjections' hand-written backward is the derivative of its forward (gradcheck over x and every
+    weight and bias, with and without the shared partition's low-rank terms)."""
     torch.manual_seed(0)
-    x, w = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
-    assert torch.autograd.gradcheck(modeling_sse.Float32Router.apply,
-                                    (x.requires_grad_(), w.requires_grad_()))
-    x, w = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
-    grad = torch.randn(3, 4, 5)
-    modeling_sse.Float32Router.apply(x, w).backward(grad)
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    F.linear(x32, w32).backward(grad)
-    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
-    assert rel_err(x.grad, x32.grad) < 1e-2 and rel_err(w.grad, w32.grad) < 1e-2
+    D, H, c, dv, N, r = 6, 2, 3, 2, 3, 2
+
+    def t(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    shared = (t(lora, D), t(H * c, lora), t(lora, D), t(H * c, lora)) if lora else (None,) * 4
+    args = (t(2, 3, D), H, t(H * c, D), t(H * c), t(H * c, D), t(H * c), t(H * dv, D), t(H * dv), t(H * dv, D),
+            t(H * dv), t(N, D), t(r, D), t(H * c, r), t(H * c), *shared)
+    assert torch.autograd.gradcheck(lambda *a: [y for y in modeling_sse.SSEInputProjections.apply(*a)[:8]
+                                                if y is not None], args)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_input_projections_match_the_modules(dtype, autocast):
+    """One autograd node for all of the SSE layer's input projections gives what the layer's modules give under
+    autograd: the same outputs (the wide ones and the router bit for bit) and gradients in every input's dtype
+    that differ by the order x's gradient is summed in (float32, bf16, and a float32 model under bf16 autocast)."""
+    torch.manual_seed(0)
+    layer = SSEForCausalLM(tiny_config(sse_qkv_bias=True, sse_gate_bias=True)).model.layers[0].linear_attn.to(dtype)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(2, 7, 64, dtype=dtype)
+    weights = [p for name, p in layer.named_parameters() if not name.startswith(("o_norm", "o_proj"))]
+    dys = None
+    results = []
+    for by_modules in (False, True):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext():
+            if by_modules:
+                outs = projections_by_modules(layer, leaf)
+            else:
+                inputs, gate = layer.project(leaf)
+                outs = (inputs["q"], inputs["k_logits"], inputs["v"], gate, inputs["log_decay"], inputs["q_shared"],
+                        inputs["k_shared_logits"], inputs["router_logits"])
+        dys = dys or [torch.randn_like(o) for o in outs]
+        grads = torch.autograd.grad(outs, [leaf, *weights], dys)
+        results.append((outs, grads))
+    (outs, grads), (want_outs, want_grads) = results
+    for i, (a, b) in enumerate(zip(outs, want_outs)):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b) if i in (0, 1, 2, 3, 7) else rel_err(a, b) < 1e-5 + 1e-2 * (a.dtype != torch.float32)
+    tolerance = 1e-5 if dtype == torch.float32 and not autocast else 2e-2
+    for a, b in zip(grads, want_grads):
+        assert a.dtype == b.dtype and a.shape == b.shape and rel_err(a, b) < tolerance
 
 
 # flex_attention runs on CPU without gradients; flash attention needs a GPU (pytest -m gpu).
@@ -452,7 +500,7 @@ def test_output_step_is_the_norm_then_the_gate(dtype):
     layer.o_norm.weight.data.normal_()
     x, o = torch.randn(2, 7, 64, dtype=dtype), torch.randn(2, 7, 2, 16, dtype=dtype, requires_grad=True)
     gate = layer.g_proj(x).view(2, 7, 2, 16)
-    fused = layer.output(o, x)
+    fused = layer.output(o, gate)
     plain = layer.o_proj(sse_math.gated_output(layer.o_norm(o), gate).reshape(2, 7, -1))
     assert torch.equal(fused, plain)
     dy = torch.randn_like(fused)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import rel_err
 
@@ -651,17 +652,21 @@ def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch)
                        sse_impl="triton_indexed")
     layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
     calls, storages = [], []
-    for name in ("decay_up", "q_shared_up", "k_shared_up"):
-        getattr(layer, name).register_forward_hook(lambda *_, name=name: calls.append(name))
-    project, norm_gate = layer.project, kernels.norm_gate
+    up_weights = [getattr(layer, name).weight for name in ("decay_up", "q_shared_up", "k_shared_up")]
+    linear, project, norm_gate = F.linear, layer.project, kernels.norm_gate
+
+    def counted_linear(x, weight, *args):  # counts the low-rank terms' up projections
+        calls.extend(name for name, w in zip(("decay", "q", "k"), up_weights) if w is weight)
+        return linear(x, weight, *args)
+    monkeypatch.setattr(F, "linear", counted_linear)
 
     def remembered(*tensors):  # weak references to their memory, not to the tensor objects
         storages.extend(t.untyped_storage()._weak_ref() for t in tensors)
         return tensors[0]
     def project_remembered(*args):
-        inputs = project(*args)
+        inputs, gate = project(*args)
         remembered(inputs["log_decay"], inputs["q_shared"], inputs["k_shared_logits"])
-        return inputs
+        return inputs, gate
     monkeypatch.setattr(layer, "project", project_remembered)
     monkeypatch.setattr(kernels, "norm_gate", lambda *a, **kw: remembered(norm_gate(*a, **kw)))
     x, dy = torch.randn(1, 40, 64, device=device), torch.randn(1, 40, 64, device=device)

@@ -364,8 +364,16 @@ class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
                 scale, row_topk, chunk_size, decay_normalizer):
+        # [B, T, H, -1] in and out; token rows [L, H, -1] inside (reshaped here, where autograd records no views)
+        ctx.shapes = [None if t is None else t.shape for t in (q, k_logits, v, log_decay, router_logits, q_shared,
+                                                                 k_shared_logits)]
+        B, T, H, C = q.shape
+        L, N = B * T, router_logits.shape[-1]
+        q, k_logits, v, log_decay, q_shared, k_shared_logits = (
+            None if t is None else t.reshape(L, H, -1).contiguous()
+            for t in (q, k_logits, v, log_decay, q_shared, k_shared_logits))
+        router_logits = router_logits.reshape(L, N).contiguous()
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
-        L, H, C = q.shape
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
@@ -377,7 +385,7 @@ class _IndexedChunk(torch.autograd.Function):
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
             P, scale, **launch)
         del sources
-        o = torch.empty(L, H, V, dtype=v.dtype, device=v.device)
+        o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
             _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], triton.next_power_of_2(H),
                                       triton.next_power_of_2(V))
@@ -396,7 +404,7 @@ class _IndexedChunk(torch.autograd.Function):
         tables = (*index, S, P)
         L, H, C = q.shape
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
-        do = do.contiguous()
+        do = do.reshape(L, H, V).contiguous()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
         if h is None:  # not kept (KEPT_STATES_BYTES); the final state is not needed again, nor d h0 without h0
@@ -418,6 +426,7 @@ class _IndexedChunk(torch.autograd.Function):
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        grads = [None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)]
         return (*grads, dh0, None, None, None, None, None)
 
 
@@ -514,17 +523,11 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
                        decay_normalizer=None, chunk_size=CHUNK):
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
     logits (see there)."""
-    B, T, H, c = q.shape
-    N, dv = router_logits.shape[-1], v.shape[-1]
-    L = B * T
+    B, T, _, c = q.shape
+    L, N = B * T, router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale
     bounds = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens
-    tables = index_tables(router_logits.reshape(L, N), bounds, top_k, q_shared is not None, chunk_size)
-
-    def flat(x):
-        return None if x is None else x.reshape(L, H, -1).contiguous()
-
-    o, final = _IndexedChunk.apply(flat(q), flat(k_logits), flat(v), flat(log_decay),
-                                   router_logits.reshape(L, N).contiguous(), flat(q_shared), flat(k_shared_logits),
-                                   initial_state, tables, scale, row_topk, chunk_size, decay_normalizer)
-    return o.view(B, T, H, dv), (final if output_final_state else None)
+    tables = index_tables(router_logits.detach().reshape(L, N), bounds, top_k, q_shared is not None, chunk_size)
+    o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
+                                   tables, scale, row_topk, chunk_size, decay_normalizer)
+    return o, (final if output_final_state else None)

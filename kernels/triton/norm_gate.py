@@ -96,7 +96,8 @@ class _Norm(torch.autograd.Function):
         programs = max(1, min(triton.cdiv(R, block_r), BACKWARD_PROGRAMS))
         d_x = torch.empty_like(x)
         d_gate = None if gate is None else torch.empty_like(gate)
-        dw = torch.zeros(programs, D, dtype=torch.float32, device=x.device)
+        # every program writes its row of partial sums; with no rows there is no launch and they are zero
+        dw = (torch.empty if R else torch.zeros)(programs, D, dtype=torch.float32, device=x.device)
         if R:
             gated = gate is not None  # else x and d_x stand in for the gate's pointers, which are not touched
             _bwd_kernel[(programs,)](x, weight, gate if gated else x, rstd, dy.contiguous(), d_x,
