@@ -311,12 +311,20 @@ class SSELayer(nn.Module):
         inputs that are cheap to (`recomputed_when_saved`)."""
         B, T, _ = x.shape
         lora = hasattr(self, "q_shared_up")
-        shared_weights = ((self.q_shared_down.weight, self.q_shared_up.weight, self.k_shared_down.weight,
-                           self.k_shared_up.weight) if lora else (None,) * 4)
-        q, k, v, gate, decay, q_shared, k_shared, router_logits, codes = SSEInputProjections.apply(
-            x, self.num_heads, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
-            self.v_proj.weight, self.v_proj.bias, self.g_proj.weight, self.g_proj.bias, self.router.weight,
-            self.decay_down.weight, self.decay_up.weight, self.decay_up.bias, *shared_weights)
+        modules = [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.router, self.decay_down, self.decay_up]
+        modules += [self.q_shared_down, self.q_shared_up, self.k_shared_down, self.k_shared_up] if lora else []
+        # Wrapped projections (PEFT adapters, quantised layers) must run their own forward, so they go through the
+        # modules, and nothing is made again in the backward (the recipes repeat the plain layers' ops).
+        plain = all(type(m) is nn.Linear for m in modules)
+        if plain:
+            shared_weights = ((self.q_shared_down.weight, self.q_shared_up.weight, self.k_shared_down.weight,
+                               self.k_shared_up.weight) if lora else (None,) * 4)
+            q, k, v, gate, decay, q_shared, k_shared, router_logits, codes = SSEInputProjections.apply(
+                x, self.num_heads, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+                self.v_proj.weight, self.v_proj.bias, self.g_proj.weight, self.g_proj.bias, self.router.weight,
+                self.decay_down.weight, self.decay_up.weight, self.decay_up.bias, *shared_weights)
+        else:
+            q, k, v, gate, decay, q_shared, k_shared, router_logits = self.projections_by_modules(x)
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
         sizes = [self.decay_down.out_features] + ([self.q_shared_down.out_features] * 2 if lora else [])
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -337,15 +345,30 @@ class SSELayer(nn.Module):
         inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0),
                       log_decay=decay if pad is None else decay.masked_fill(pad, float("inf")),
                       router_logits=router_logits)
-        recipes = [] if recipes is None else recipes
-        recipes.append((inputs["log_decay"], decay_logits))
         if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
             inputs["q_shared"] = q if q_shared is None else q_shared
             inputs["k_shared_logits"] = k if k_shared is None else k_shared
+        if plain and recipes is not None:
+            recipes.append((inputs["log_decay"], decay_logits))
             if lora:
                 recipes += [(q_shared, made_again(1, self.q_shared_up, q)),
                             (k_shared, made_again(2, self.k_shared_up, k))]
         return inputs, gate
+
+    def projections_by_modules(self, x):
+        """What SSEInputProjections computes (but its codes), through the projection modules under autograd: the
+        path for wrapped modules, and the reference for the node's hand-written backward (tests/test_model.py)."""
+        B, T, _ = x.shape
+
+        def heads(t):
+            return t.view(B, T, self.num_heads, -1)
+        q, k, v, gate = (heads(m(x)) for m in (self.q_proj, self.k_proj, self.v_proj, self.g_proj))
+        q_shared = k_shared = None
+        if hasattr(self, "q_shared_up"):
+            q_shared = sse_math.shared_partition(q, heads(self.q_shared_up(self.q_shared_down(x))))
+            k_shared = sse_math.shared_partition(k, heads(self.k_shared_up(self.k_shared_down(x))))
+        return (q, k, v, gate, heads(self.decay_up(self.decay_down(x))), q_shared, k_shared,
+                float32_router(x, self.router.weight))
 
     def output(self, o, gate):
         """Per-head RMSNorm, swish output gate, output projection."""

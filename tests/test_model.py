@@ -254,20 +254,6 @@ def test_router_logits_are_float32_whatever_the_compute_dtype():
     assert rel_err(inputs["router_logits"], F.linear(x, fp32.router.weight)) < 1e-6
 
 
-def projections_by_modules(layer, x):
-    """What SSEInputProjections computes, as the layer's modules under autograd: the reference for its
-    hand-written backward. Returns (q, k_logits, v, gate, decay logits, q_shared, k_shared_logits, router)."""
-    B, T, _ = x.shape
-
-    def heads(t):
-        return t.view(B, T, layer.num_heads, -1)
-    q, k, v, gate = (heads(m(x)) for m in (layer.q_proj, layer.k_proj, layer.v_proj, layer.g_proj))
-    shared = [heads(layer.q_shared_up(layer.q_shared_down(x))), heads(layer.k_shared_up(layer.k_shared_down(x)))]
-    with torch.autocast("cpu", enabled=False):
-        router = F.linear(x.float(), layer.router.weight.float())
-    return q, k, v, gate, heads(layer.decay_up(layer.decay_down(x))), q + shared[0], k + shared[1], router
-
-
 @pytest.mark.parametrize("lora", [3, 0])
 def test_input_projections_gradients_in_float64(lora):
     """SSEInputProjections' hand-written backward is the derivative of its forward (gradcheck over x and every
@@ -287,8 +273,9 @@ def test_input_projections_gradients_in_float64(lora):
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
 def test_input_projections_match_the_modules(dtype, autocast):
     """One autograd node for all of the SSE layer's input projections gives what the layer's modules give under
-    autograd: the same outputs (the wide ones and the router bit for bit) and gradients in every input's dtype
-    that differ by the order x's gradient is summed in (float32, bf16, and a float32 model under bf16 autocast)."""
+    autograd (`projections_by_modules`): the same outputs (the wide ones and the router bit for bit) and gradients
+    in every input's dtype that differ by the order x's gradient is summed in (float32, bf16, and a float32 model
+    under bf16 autocast)."""
     torch.manual_seed(0)
     layer = SSEForCausalLM(tiny_config(sse_qkv_bias=True, sse_gate_bias=True)).model.layers[0].linear_attn.to(dtype)
     for p in layer.parameters():
@@ -301,7 +288,7 @@ def test_input_projections_match_the_modules(dtype, autocast):
         leaf = x.clone().requires_grad_()
         with torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext():
             if by_modules:
-                outs = projections_by_modules(layer, leaf)
+                outs = layer.projections_by_modules(leaf)
             else:
                 inputs, gate = layer.project(leaf)
                 outs = (inputs["q"], inputs["k_logits"], inputs["v"], gate, inputs["log_decay"], inputs["q_shared"],
@@ -316,6 +303,30 @@ def test_input_projections_match_the_modules(dtype, autocast):
     tolerance = 1e-5 if dtype == torch.float32 and not autocast else 2e-2
     for a, b in zip(grads, want_grads):
         assert a.dtype == b.dtype and a.shape == b.shape and rel_err(a, b) < tolerance
+
+
+def test_wrapped_projections_run_their_own_forward():
+    """A projection wrapped by an adapter (as PEFT wraps q_proj) is not a plain nn.Linear: the layer runs the
+    modules, so the adapter's output is what the operator gets, and no low-rank term is kept as a recipe."""
+    class Adapter(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight = base, base.weight
+
+        def forward(self, x):
+            return self.base(x) * 2.0
+
+    torch.manual_seed(0)
+    layer = model_for("sse_n4k2").model.layers[0].linear_attn
+    x = torch.randn(2, 5, 64)
+    recipes = []
+    plain = layer.project(x, recipes=recipes)[0]
+    assert len(recipes) == 3  # the decay logits, the shared partition's q and key logits
+    layer.q_proj = Adapter(layer.q_proj)
+    recipes = []
+    wrapped = layer.project(x, recipes=recipes)[0]
+    assert recipes == []
+    assert torch.equal(wrapped["q"], 2.0 * plain["q"]) and torch.equal(wrapped["v"], plain["v"])
 
 
 # flex_attention runs on CPU without gradients; flash attention needs a GPU (pytest -m gpu).
