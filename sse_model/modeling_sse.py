@@ -327,20 +327,17 @@ class SSELayer(nn.Module):
             q, k, v, gate, decay, q_shared, k_shared, router_logits = self.projections_by_modules(x)
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
         sizes = [self.decay_down.out_features] + ([self.q_shared_down.out_features] * 2 if lora else [])
-        autocast = torch.is_autocast_enabled(x.device.type)
-        autocast_dtype = torch.get_autocast_dtype(x.device.type)
+        device = x.device.type
+        autocast, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
-        def made_again(i, up, base=None):
-            """SSEInputProjections' i-th low-rank term from its codes (the same ops, so bit for bit; under the
-            forward's autocast, which the backward that runs this is not in), plus `base`."""
-            def make():
-                with torch.autocast(x.device.type, autocast_dtype) if autocast else contextlib.nullcontext():
-                    term = F.linear(codes.split(sizes, -1)[i], up.weight, up.bias).view(B, T, self.num_heads, -1)
-                return term if base is None else sse_math.shared_partition(base, term)
-            return make
+        def low_rank(i, up):
+            """SSEInputProjections' i-th low-rank term made again from its codes: the same ops, so bit for bit, under
+            the forward's autocast (the backward that runs this is not in it)."""
+            with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
+                return F.linear(codes.split(sizes, -1)[i], up.weight, up.bias).view(B, T, self.num_heads, -1)
 
         def decay_logits():
-            logits = made_again(0, self.decay_up)()
+            logits = low_rank(0, self.decay_up)
             return logits if pad is None else logits.masked_fill(pad, float("inf"))
         inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0),
                       log_decay=decay if pad is None else decay.masked_fill(pad, float("inf")),
@@ -351,8 +348,8 @@ class SSELayer(nn.Module):
         if plain and recipes is not None:
             recipes.append((inputs["log_decay"], decay_logits))
             if lora:
-                recipes += [(q_shared, made_again(1, self.q_shared_up, q)),
-                            (k_shared, made_again(2, self.k_shared_up, k))]
+                recipes += [(q_shared, lambda: sse_math.shared_partition(q, low_rank(1, self.q_shared_up))),
+                            (k_shared, lambda: sse_math.shared_partition(k, low_rank(2, self.k_shared_up)))]
         return inputs, gate
 
     def projections_by_modules(self, x):
