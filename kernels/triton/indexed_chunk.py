@@ -368,11 +368,11 @@ class _IndexedChunk(torch.autograd.Function):
         ctx.shapes = [None if t is None else t.shape for t in (q, k_logits, v, log_decay, router_logits, q_shared,
                                                                  k_shared_logits)]
         B, T, H, C = q.shape
-        L, N = B * T, router_logits.shape[-1]
+        L = B * T
         q, k_logits, v, log_decay, q_shared, k_shared_logits = (
             None if t is None else t.reshape(L, H, -1).contiguous()
             for t in (q, k_logits, v, log_decay, q_shared, k_shared_logits))
-        router_logits = router_logits.reshape(L, N).contiguous()
+        router_logits = router_logits.reshape(L, -1).contiguous()
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
