@@ -35,3 +35,20 @@ print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_bench_scripts_import_names_the_project_has():
+    """The benchmarks run only on a GPU node, so a renamed kernel or function would break them unnoticed (as a
+    renamed norm kernel once broke bench/layer_host_ablate.py): every name they import from the project exists."""
+    import ast
+    import importlib
+    repo = Path(__file__).resolve().parents[1]
+    missing = []
+    for script in sorted((repo / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in (
+                    "kernels", "sse_model", "pipeline", "rewards", "eval", "tasks"):
+                module = importlib.import_module(node.module)
+                missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
+                            and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert missing == []
