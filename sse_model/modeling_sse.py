@@ -190,6 +190,13 @@ def float32_router(x, weight):
     return F.linear(x.to(dtype), weight.to(dtype))
 
 
+def _low_rank_term(codes, sizes, i, weight, bias, heads):
+    """The i-th low-rank term [B, T, heads, -1] from the stacked codes [B, T, sum(sizes)]: written once for
+    SSEInputProjections and for the recipes that make its terms again, so that the two match bit for bit."""
+    B, T, _ = codes.shape
+    return F.linear(codes.split(sizes, -1)[i], weight, bias).view(B, T, heads, -1)
+
+
 class SSEInputProjections(torch.autograd.Function):
     """Every projection the SSE layer makes of its input x [B, T, D], as one autograd node:
 
@@ -216,13 +223,12 @@ class SSEInputProjections(torch.autograd.Function):
         q, k, v, gate = (F.linear(x, w, b).view(B, T, heads, -1)
                          for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v), (w_gate, b_gate)))
         downs = [w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else [])
-        codes = F.linear(x, torch.cat(downs))
-        decay_code, *shared_codes = codes.split([w.shape[0] for w in downs], -1)
-        decay = F.linear(decay_code, w_decay_up, b_decay_up).view(B, T, heads, -1)
+        codes, sizes = F.linear(x, torch.cat(downs)), [w.shape[0] for w in downs]
+        decay = _low_rank_term(codes, sizes, 0, w_decay_up, b_decay_up, heads)
         q_shared = k_shared = None
         if lora:
-            q_shared = sse_math.shared_partition(q, F.linear(shared_codes[0], w_q_shared_up).view(B, T, heads, -1))
-            k_shared = sse_math.shared_partition(k, F.linear(shared_codes[1], w_k_shared_up).view(B, T, heads, -1))
+            q_shared = sse_math.shared_partition(q, _low_rank_term(codes, sizes, 1, w_q_shared_up, None, heads))
+            k_shared = sse_math.shared_partition(k, _low_rank_term(codes, sizes, 2, w_k_shared_up, None, heads))
         router = float32_router(x, w_router)
         ctx.mark_non_differentiable(codes)
         ctx.save_for_backward(x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down,
@@ -309,7 +315,6 @@ class SSELayer(nn.Module):
         x [B, T, D], all in one autograd node (`SSEInputProjections`). Pad tokens (token_mask 0) get zero v and decay
         logits +inf (log-decay 0), which leaves every state untouched. Appends to `recipes` how to make again the
         inputs that are cheap to (`recomputed_when_saved`)."""
-        B, T, _ = x.shape
         lora = hasattr(self, "q_shared_up")
         modules = [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.router, self.decay_down, self.decay_up]
         modules += [self.q_shared_down, self.q_shared_up, self.k_shared_down, self.k_shared_up] if lora else []
@@ -331,10 +336,10 @@ class SSELayer(nn.Module):
         autocast, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
         def low_rank(i, up):
-            """SSEInputProjections' i-th low-rank term made again from its codes: the same ops, so bit for bit, under
-            the forward's autocast (the backward that runs this is not in it)."""
+            """SSEInputProjections' i-th low-rank term made again from its codes, under the forward's autocast (the
+            backward that runs this is not in it)."""
             with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
-                return F.linear(codes.split(sizes, -1)[i], up.weight, up.bias).view(B, T, self.num_heads, -1)
+                return _low_rank_term(codes, sizes, i, up.weight, up.bias, self.num_heads)
 
         def decay_logits():
             logits = low_rank(0, self.decay_up)
