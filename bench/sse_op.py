@@ -11,6 +11,7 @@ Medians of `triton.testing.do_bench` (CUDA events), bf16 activations, H = 16, c 
 2. SSE indexed and varlen vs N at K = 1 + shared (T = 16k): should stay flat (the mask path's work is N + 1 times
    GLA by construction; it is left out here because every head count N * H re-autotunes fla's kernels);
 3. where the varlen time goes at T = 64k: routing, gather, the GLA core on the gathered rows, the rest;
+   and where the indexed op's time goes at T = 8k, kernel by kernel (`indexed_kernels`);
 4. decode step for batch 1..1024 (N = 4, K = 1 + shared): bytes = each touched state read and written once,
    as a fraction of the measured device copy bandwidth; next to it a softmax-attention decode step (SDPA, one
    query) over KV caches of 4k, 32k, 128k tokens.
@@ -166,6 +167,31 @@ def varlen_breakdown(T, N=4, K=1):
     return out
 
 
+def indexed_kernels(T, N=4, K=1, steps=5):
+    """GPU time of each kernel of the indexed op's forward+backward at T (torch profiler, per step): where to look
+    before editing one (kernels/NOTES.md has the ones tried)."""
+    ins = sse_inputs(T, N)
+    do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
+
+    def step():
+        o, _ = sse_attention(**ins, top_k=K, decay_normalizer=16.0, impl="triton_indexed")
+        o.backward(do)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total / steps / 1e3 for e in prof.key_averages()
+               if e.self_device_time_total > 0}
+    out = {"T": T, "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    print(out, flush=True)
+    ins.clear()  # frees the inputs before the cache is emptied
+    free()
+    return out
+
+
 def copy_bandwidth():
     x = torch.empty(2 * 1024**3 // 4, device="cuda", dtype=torch.float32).normal_()
     y = torch.empty_like(x)
@@ -240,6 +266,11 @@ def markdown(result):
                   f"gathered rows fwd+bwd {b['gla_core_rows_fwd_bwd_ms']:.2f} ms, whole op "
                   f"{b['sse_varlen_fwd_bwd_ms']:.2f} ms: ours (routing, gather/scatter, backward) "
                   f"{b['ours_ms']:.2f} ms."]
+    if "indexed_kernels" in result:
+        r = result["indexed_kernels"]
+        lines += ["", f"## SSE indexed op by kernel, forward + backward, T = {r['T']} (torch profiler, per step)", "",
+                  "| kernel | ms |", "| --- | ---: |"]
+        lines += [f"| `{name[:80]}` | {t:.3f} |" for name, t in r["kernels_ms"].items() if t >= 0.001]
     if "decode" in result:
         kv = sorted({k for r in result["decode"] for k in r if k.startswith("attn_decode")},
                     key=lambda k: int(k.split("kv")[1].split("k")[0]))
@@ -257,7 +288,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--lengths", default="1024,4096,16384,65536,131072")
-    parser.add_argument("--sections", default="training,scaling_N,varlen_breakdown,decode")
+    parser.add_argument("--sections", default="training,scaling_N,varlen_breakdown,indexed_kernels,decode")
     parser.add_argument("--no-fla-layouts", action="store_true",
                         help="training and N rows without the varlen/mask paths")
     args = parser.parse_args()
@@ -275,6 +306,7 @@ def main():
                                                    fla_layouts=not args.no_fla_layouts)),
                 ("scaling_N", lambda: scaling_with_N(16384, [1, 2, 4, 8, 16], fla_layouts=not args.no_fla_layouts)),
                 ("varlen_breakdown", lambda: varlen_breakdown(65536)),
+                ("indexed_kernels", lambda: indexed_kernels(8192)),
                 ("decode", lambda: decode([1, 64, 256, 1024], bw))]
     for name, measure in sections:  # saved after each section, so a cut-off run keeps what it measured
         if name not in args.sections.split(","):
