@@ -66,9 +66,8 @@ def sse_inputs(T, N):
                 q_shared=bf16_leaf(1, T, H, C), k_shared_logits=bf16_leaf(1, T, H, C))
 
 
-def time_sse(impl, T, N, K=1, backward=True):
-    """One SSE path as the model calls it (the paths that do not take decay logits get log a computed first,
-    within the timing)."""
+def sse_step(impl, T, N, K=1, backward=True):
+    """(one call of an SSE path as the model makes it, its input leaves)."""
     ins = sse_inputs(T, N)
     do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
 
@@ -76,6 +75,13 @@ def time_sse(impl, T, N, K=1, backward=True):
         o, _ = sse_attention(**ins, top_k=K, decay_normalizer=16.0, impl=impl)
         if backward:
             o.backward(do)
+    return step, ins
+
+
+def time_sse(impl, T, N, K=1, backward=True):
+    """One SSE path as the model calls it (the paths that do not take decay logits get log a computed first,
+    within the timing)."""
+    step, ins = sse_step(impl, T, N, K, backward)
     ms = median_ms(step, grad_to_none=list(ins.values()))
     ins.clear()  # frees the inputs before the cache is emptied
     free()
@@ -170,12 +176,7 @@ def varlen_breakdown(T, N=4, K=1):
 def indexed_kernels(T, N=4, K=1, steps=5):
     """GPU time of each kernel of the indexed op's forward+backward at T (torch profiler, per step): where to look
     before editing one (kernels/NOTES.md has the ones tried)."""
-    ins = sse_inputs(T, N)
-    do = torch.randn(1, T, H, DV, device="cuda", dtype=BF16)
-
-    def step():
-        o, _ = sse_attention(**ins, top_k=K, decay_normalizer=16.0, impl="triton_indexed")
-        o.backward(do)
+    step, ins = sse_step("triton_indexed", T, N, K)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

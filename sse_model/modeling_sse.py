@@ -331,27 +331,25 @@ class SSELayer(nn.Module):
         else:
             q, k, v, gate, decay, q_shared, k_shared, router_logits = self.projections_by_modules(x)
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
-        sizes = [self.decay_down.out_features] + ([self.q_shared_down.out_features] * 2 if lora else [])
-        device = x.device.type
-        autocast, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
-        def low_rank(i, up):
-            """SSEInputProjections' i-th low-rank term made again from its codes, under the forward's autocast (the
-            backward that runs this is not in it)."""
-            with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
-                return _low_rank_term(codes, sizes, i, up.weight, up.bias, self.num_heads)
-
-        def decay_logits():
-            logits = low_rank(0, self.decay_up)
+        def padded_decay(logits):
             return logits if pad is None else logits.masked_fill(pad, float("inf"))
-        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0),
-                      log_decay=decay if pad is None else decay.masked_fill(pad, float("inf")),
+        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0), log_decay=padded_decay(decay),
                       router_logits=router_logits)
         if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
             inputs["q_shared"] = q if q_shared is None else q_shared
             inputs["k_shared_logits"] = k if k_shared is None else k_shared
         if plain and recipes is not None:
-            recipes.append((inputs["log_decay"], decay_logits))
+            sizes = [self.decay_down.out_features] + ([self.q_shared_down.out_features] * 2 if lora else [])
+            device = x.device.type
+            autocast, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+            def low_rank(i, up):
+                """SSEInputProjections' i-th low-rank term made again from its codes, under the forward's autocast
+                (the backward that runs this is not in it)."""
+                with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
+                    return _low_rank_term(codes, sizes, i, up.weight, up.bias, self.num_heads)
+            recipes.append((inputs["log_decay"], lambda: padded_decay(low_rank(0, self.decay_up))))
             if lora:
                 recipes += [(q_shared, lambda: sse_math.shared_partition(q, low_rank(1, self.q_shared_up))),
                             (k_shared, lambda: sse_math.shared_partition(k, low_rank(2, self.k_shared_up)))]
