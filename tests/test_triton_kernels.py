@@ -217,15 +217,17 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
 
 @pytest.mark.parametrize("kept", [True, False], ids=["states-kept", "states-recomputed"])
 def test_indexed_chunk_backward_keeps_or_recomputes_states(device, kept, monkeypatch):
-    """The backward takes the forward's per-chunk states when they fit `KEPT_STATES_BYTES` and recomputes them
-    otherwise (one `_chained` call more): both against the float64 reference, on a varlen batch with initial
-    states."""
+    """The backward takes the forward's per-chunk states, keys and log-decays when they fit `KEPT_BYTES` and makes
+    them again otherwise (one `_row_sources` and one `_chained` call more): both against the float64 reference, on a
+    varlen batch with initial states."""
     from kernels.sse import sse_reference
     from kernels.triton import indexed_chunk
-    monkeypatch.setattr(indexed_chunk, "KEPT_STATES_BYTES", 2**62 if kept else 0)
+    monkeypatch.setattr(indexed_chunk, "KEPT_BYTES", 2**62 if kept else 0)
     chained = []
     real_chained = indexed_chunk._chained
     monkeypatch.setattr(indexed_chunk, "_chained", lambda *a, **k: chained.append(k["query"]) or real_chained(*a, **k))
+    real_sources = indexed_chunk._row_sources
+    monkeypatch.setattr(indexed_chunk, "_row_sources", lambda *a: chained.append("sources") or real_sources(*a))
     H, c, dv, lengths = (SHAPES[device][n] for n in ("H", "c", "dv", "lengths"))
     cu = torch.tensor([0] + lengths, device=device).cumsum(0)
     T, N = int(cu[-1]), 4
@@ -236,7 +238,8 @@ def test_indexed_chunk_backward_keeps_or_recomputes_states(device, kept, monkeyp
         cot = cotangents_for(T, H, N, c, dv, len(lengths), device)
         chained.clear()
         got = forward_backward(chunk_impl("triton_indexed", device), as_leaves(inputs, dtype), cot, **kw)
-        assert chained == ([False, True] if kept else [False, False, True]), chained
+        want = ["sources", False, True] if kept else ["sources", False, "sources", False, True]
+        assert chained == want, chained
         ref = forward_backward(sse_reference, as_leaves(inputs, torch.float64), cot, **kw)
         errors = {n: rel_err(got[n], ref[n]) for n in ref}
         line = f"{str(dtype)[6:]}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items())

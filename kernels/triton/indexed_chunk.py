@@ -19,7 +19,7 @@ Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
            activations' dtype (and the final state in float32); `_output` [NC, H, NV]: o rows; `collect`
            (expand.py) sums a token's rows.
-- backward the states (kept from the forward up to `KEPT_STATES_BYTES`, recomputed above it), then
+- backward the states and row sources (kept from the forward up to `KEPT_BYTES`, made again above it), then
            `_chunk_sums` + `_scan` in reverse for the gradient
            of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H] (one pass over the
            value blocks for dA, dq, dk and the decay gradient): row gradients; `_expand_bwd_kernel` (expand.py)
@@ -36,12 +36,14 @@ from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kern
 from kernels.triton.routing import route_varlen
 
 CHUNK = 64               # rows per chunk
-# The forward keeps the per-chunk states for the backward when they take at most this many bytes, and the
-# backward recomputes them above it. They cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and
-# layer with one routed partition + the shared one at 16 heads of 128 x 128: 137 MB at 8k tokens, kept; 0.54 GB
-# at 32k, recomputed); recomputing is `_chunk_sums` + `_scan`, 2.3 ms (~3 %) of an 8k training step of the
-# 6-layer bench model (kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
-KEPT_STATES_BYTES = 256 * 2**20
+# The forward keeps for the backward what the backward would otherwise make again -- the per-chunk states and
+# `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
+# makes them again. The states cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with one
+# routed partition + the shared one at 16 heads of 128 x 128), the keys and log-decays 12 bytes per token and
+# head-dimension pair: 137 + 96 MB at 8k tokens, kept; 0.54 + 0.38 GB at 32k, made again. Making them is
+# `_keys_kernel` + `_chunk_sums` + `_scan`, ~0.4 ms a layer at 8k (~3 % of the 6-layer bench model's step,
+# kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+KEPT_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
 
@@ -363,7 +365,7 @@ LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size, decay_normalizer):
+                scale, row_topk, chunk_size, decay_normalizer, final_returned):
         # [B, T, H, -1] in and out; token rows [L, H, -1] inside (reshaped here, where autograd records no views)
         ctx.shapes = [None if t is None else t.shape for t in (q, k_logits, v, log_decay, router_logits, q_shared,
                                                                  k_shared_logits)]
@@ -377,38 +379,45 @@ class _IndexedChunk(torch.autograd.Function):
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                decay_normalizer)
-        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=True)
+        # The final state is read again only by the backward, for the last chunk's state term, where the other
+        # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
+        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False,
+                            exact_last=final_returned)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         launch = _launch("output", C, V, N, chunk_size)
         _output_kernel[_chunk_grid(tables, H, V, launch)](
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
             P, scale, **launch)
-        del sources
+        made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
+        keep = h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
+        kept = (h, keys, g, keys_s, gs) if keep else (None,) * 5
+        del sources, made, keys, g, keys_s, gs  # freed here unless kept
         o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
             _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], triton.next_power_of_2(H),
                                       triton.next_power_of_2(V))
-        kept = h if h.numel() * h.element_size() <= KEPT_STATES_BYTES else None
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                              final, kept, *tables[:6])
+                              final, *kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h,
-         *index) = ctx.saved_tensors
+        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h, keys, g,
+         keys_s, gs, *index) = ctx.saved_tensors
         S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
         L, H, C = q.shape
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.reshape(L, H, V).contiguous()
-        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                               decay_normalizer)
-        if h is None:  # not kept (KEPT_STATES_BYTES); the final state is not needed again, nor d h0 without h0
+        if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
+            sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
+                                   decay_normalizer)
             h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
+        else:
+            sources = (q, keys, g, router_logits) + ((q_shared, keys_s, gs) if q_shared is not None else (q, keys, g))
         dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True,
                            exact_last=initial_state is not None)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
@@ -427,7 +436,7 @@ class _IndexedChunk(torch.autograd.Function):
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
         grads = [None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)]
-        return (*grads, dh0, None, None, None, None, None)
+        return (*grads, dh0, None, None, None, None, None, None)
 
 
 def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
@@ -529,5 +538,5 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
     bounds = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens
     tables = index_tables(router_logits.detach().reshape(L, N), bounds, top_k, q_shared is not None, chunk_size)
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                                   tables, scale, row_topk, chunk_size, decay_normalizer)
+                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state)
     return o, (final if output_final_state else None)
