@@ -197,6 +197,15 @@ def _low_rank_term(codes, sizes, i, weight, bias, heads):
     return F.linear(codes.split(sizes, -1)[i], weight, bias).view(B, T, heads, -1)
 
 
+def _shared_term(codes, sizes, i, weight, routed):
+    """The shared partition's q or key logits [B, T, H, -1], `sse_math.shared_partition(routed, the i-th low-rank
+    term)` as one GEMM that adds routed in its epilogue (addmm): no low-rank tensor and no add kernel (two of each a
+    layer, and two more in the recipes). Written once for SSEInputProjections and its recipes (bit for bit)."""
+    B, T, heads, d = routed.shape
+    code = codes.split(sizes, -1)[i].reshape(B * T, -1)
+    return torch.addmm(routed.reshape(B * T, -1), code, weight.t()).view(B, T, heads, d)
+
+
 class SSEInputProjections(torch.autograd.Function):
     """Every projection the SSE layer makes of its input x [B, T, D], as one autograd node:
 
@@ -227,8 +236,8 @@ class SSEInputProjections(torch.autograd.Function):
         decay = _low_rank_term(codes, sizes, 0, w_decay_up, b_decay_up, heads)
         q_shared = k_shared = None
         if lora:
-            q_shared = sse_math.shared_partition(q, _low_rank_term(codes, sizes, 1, w_q_shared_up, None, heads))
-            k_shared = sse_math.shared_partition(k, _low_rank_term(codes, sizes, 2, w_k_shared_up, None, heads))
+            q_shared = _shared_term(codes, sizes, 1, w_q_shared_up, q)
+            k_shared = _shared_term(codes, sizes, 2, w_k_shared_up, k)
         router = float32_router(x, w_router)
         ctx.mark_non_differentiable(codes)
         ctx.save_for_backward(x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down,
@@ -344,15 +353,17 @@ class SSELayer(nn.Module):
             device = x.device.type
             autocast, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
-            def low_rank(i, up):
-                """SSEInputProjections' i-th low-rank term made again from its codes, under the forward's autocast
-                (the backward that runs this is not in it)."""
+            def made_again(term, *args):
+                """One of SSEInputProjections' terms made again from its codes, under the forward's autocast (the
+                backward that runs this is not in it)."""
                 with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
-                    return _low_rank_term(codes, sizes, i, up.weight, up.bias, self.num_heads)
-            recipes.append((inputs["log_decay"], lambda: padded_decay(low_rank(0, self.decay_up))))
+                    return term(codes, sizes, *args)
+            decay_up = self.decay_up
+            recipes.append((inputs["log_decay"], lambda: padded_decay(
+                made_again(_low_rank_term, 0, decay_up.weight, decay_up.bias, self.num_heads))))
             if lora:
-                recipes += [(q_shared, lambda: sse_math.shared_partition(q, low_rank(1, self.q_shared_up))),
-                            (k_shared, lambda: sse_math.shared_partition(k, low_rank(2, self.k_shared_up)))]
+                recipes += [(q_shared, lambda: made_again(_shared_term, 1, self.q_shared_up.weight, q)),
+                            (k_shared, lambda: made_again(_shared_term, 2, self.k_shared_up.weight, k))]
         return inputs, gate
 
     def projections_by_modules(self, x):

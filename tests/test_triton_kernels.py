@@ -656,12 +656,20 @@ def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch)
     layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
     calls, storages = [], []
     up_weights = [getattr(layer, name).weight for name in ("decay_up", "q_shared_up", "k_shared_up")]
-    linear, project, norm_gate = F.linear, layer.project, kernels.norm_gate
+    linear, addmm, project, norm_gate = F.linear, torch.addmm, layer.project, kernels.norm_gate
 
-    def counted_linear(x, weight, *args):  # counts the low-rank terms' up projections
+    def count(weight):  # the low-rank terms' up projections
         calls.extend(name for name, w in zip(("decay", "q", "k"), up_weights) if w is weight)
+
+    def counted_linear(x, weight, *args):  # the decay logits'
+        count(weight)
         return linear(x, weight, *args)
+
+    def counted_addmm(routed, code, weight_t):  # the shared partition's q and key logits' (`_shared_term`)
+        count(weight_t._base)
+        return addmm(routed, code, weight_t)
     monkeypatch.setattr(F, "linear", counted_linear)
+    monkeypatch.setattr(torch, "addmm", counted_addmm)
 
     def remembered(*tensors):  # weak references to their memory, not to the tensor objects
         storages.extend(t.untyped_storage()._weak_ref() for t in tensors)
