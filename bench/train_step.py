@@ -4,6 +4,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
     python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
     python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
+    python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
@@ -129,6 +130,84 @@ def profile(builds, T: int, top: int = 25) -> list[str]:
     return lines
 
 
+def gpu_bound(model, kwargs: dict, steps: int) -> tuple[list, list]:
+    """(GPU ms, host ms) of forward and backward per step, with the GPU held by a sleep kernel while the host queues
+    the step, so that its kernels then run back to back (CUDA events)."""
+    gpu, host = [], []
+    for _ in range(steps):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s, longer than the host takes to queue a step
+        events[0].record()
+        t0 = time.perf_counter()
+        loss = model(**kwargs).loss
+        events[1].record()
+        t1 = time.perf_counter()
+        loss.backward()
+        events[2].record()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        gpu.append((events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])))
+        host.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        model.zero_grad(set_to_none=True)
+    return gpu, host
+
+
+def timeline(model, kwargs: dict) -> list[tuple[float, float]]:
+    """(host ms, GPU ms) from the start of one plain step at each decoder layer's start, the loss and the end of the
+    backward: where the two are equal the GPU was waiting for the host."""
+    marks = []
+
+    def mark(*_):
+        marks.append((time.perf_counter(), torch.cuda.Event(enable_timing=True)))
+        marks[-1][1].record()
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    hooks = [layer.register_forward_pre_hook(mark) for layer in layers]
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    loss = model(**kwargs).loss
+    mark()
+    loss.backward()
+    mark()
+    torch.cuda.synchronize()
+    for hook in hooks:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+    return [((t - t0) * 1e3, start.elapsed_time(e)) for t, e in marks]
+
+
+def split(builds, T: int, steps: int) -> list[str]:
+    """Whether a model's unpacked step waits on the host or on the GPU, without a profiler (whose own host cost
+    hides it): the step as `measure` times it, the GPU-bound step (`gpu_bound`), the difference (the GPU's idle
+    time in a step), the host's time to queue forward and backward, and a `timeline` of one step. A forward that
+    waits for the device (transformers' Qwen3 does once, before its first layer, on the 2026-11-28 H100 runs) has
+    the sleep in its host time."""
+    lines = [f"## T = {T}, unpacked, no checkpointing", "",
+             "| model | step ms | GPU-bound ms (fwd + bwd) | idle ms | host queues fwd / bwd ms |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    timelines = []
+    for name, build in builds.items():
+        wall = statistics.median(measure(build, T, False, False, steps)["step_ms"])
+        torch.manual_seed(0)
+        model = build().to("cuda", torch.bfloat16).train()
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
+        kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
+        model(**kwargs).loss.backward()  # compiles and tunes kernels
+        model.zero_grad(set_to_none=True)
+        gpu, host = gpu_bound(model, kwargs, steps)
+        fwd, bwd = (statistics.median(x) for x in zip(*gpu))
+        host_fwd, host_bwd = (statistics.median(x) for x in zip(*host))
+        lines.append(f"| {name} | {wall:.2f} | {fwd + bwd:.2f} ({fwd:.2f} + {bwd:.2f}) | {wall - fwd - bwd:.2f} | "
+                     f"{host_fwd:.2f} / {host_bwd:.2f} |")
+        timelines.append(f"- {name}: " + ", ".join(f"{h:.2f} / {g:.2f}" for h, g in timeline(model, kwargs)))
+        del model
+        torch.cuda.empty_cache()
+    return lines + ["", "Timeline of one step, host / GPU ms from its start at each decoder layer's start, the loss "
+                    "and the end of the backward:", ""] + timelines + [""]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -138,16 +217,18 @@ def main(argv=None):
                    help="an A/B of two trees may time SSE-H alone")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
+    p.add_argument("--split", action="store_true", help="GPU-bound step, idle and host time instead of the table")
     args = p.parse_args(argv)
     builds = {name: build for name, build in models().items() if name in args.models}
-    if args.profile:
+    if args.profile or args.split:
         now = datetime.now(timezone.utc)
-        lines = [f"# Training step profile, {torch.cuda.get_device_name()}, {now.isoformat(timespec='seconds')}, "
+        what = "profile" if args.profile else "split"
+        lines = [f"# Training step {what}, {torch.cuda.get_device_name()}, {now.isoformat(timespec='seconds')}, "
                  f"torch {torch.__version__}, bf16", ""]
         for T in args.lengths:
-            lines += profile(builds, T)
+            lines += profile(builds, T) if args.profile else split(builds, T, args.steps)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"train_step_profile_{now:%Y%m%d-%H%M}.md").write_text("\n".join(lines) + "\n")
+        (args.out / f"train_step_{what}_{now:%Y%m%d-%H%M}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
     rows = []
