@@ -39,10 +39,10 @@ CHUNK = 64               # rows per chunk
 # The forward keeps for the backward what the backward would otherwise make again -- the per-chunk states and
 # `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
 # makes them again. The states cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with one
-# routed partition + the shared one at 16 heads of 128 x 128), the keys and log-decays 12 bytes per token and
-# head-dimension pair: 137 + 96 MB at 8k tokens, kept; 0.54 + 0.38 GB at 32k, made again. Making them is
-# `_keys_kernel` + `_chunk_sums` + `_scan`, ~0.4 ms a layer at 8k (~3 % of the 6-layer bench model's step,
-# kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+# routed partition + the shared one at 16 heads of 128 x 128), the keys, shared keys and log-decays 6 bytes per
+# token, head and key column (bf16): 137 + 101 MB at 8k tokens, kept; 0.54 + 0.40 GB at 32k, made again. Making
+# them is `_keys_kernel` + `_chunk_sums` + `_scan`, ~0.35 ms a layer at 8k (~3 % of the 6-layer bench model's
+# step, kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
 KEPT_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
