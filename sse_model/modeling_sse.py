@@ -358,9 +358,8 @@ class SSELayer(nn.Module):
                 backward that runs this is not in it)."""
                 with torch.autocast(device, autocast_dtype) if autocast else contextlib.nullcontext():
                     return term(codes, sizes, *args)
-            decay_up = self.decay_up
             recipes.append((inputs["log_decay"], lambda: padded_decay(
-                made_again(_low_rank_term, 0, decay_up.weight, decay_up.bias, self.num_heads))))
+                made_again(_low_rank_term, 0, self.decay_up.weight, self.decay_up.bias, self.num_heads))))
             if lora:
                 recipes += [(q_shared, lambda: made_again(_shared_term, 1, self.q_shared_up.weight, q)),
                             (k_shared, lambda: made_again(_shared_term, 2, self.k_shared_up.weight, k))]

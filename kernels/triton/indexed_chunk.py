@@ -335,7 +335,13 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
                            triton.next_power_of_2(H), triton.next_power_of_2(C), num_warps=_warps(H, C))
-    return (q, keys, g, router_logits) + ((q_shared, keys_s, g_s) if shared else (q, keys, g))
+    return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
+
+
+def _sources(q, keys, g, router_logits, q_shared, keys_s, g_s):
+    """The tuple the chunk kernels take (`_row_sources`); without a shared partition keys_s and g_s are keys and g,
+    and q stands in for q_shared."""
+    return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
 
 
 def _launch(kernel, C, V, N, chunk_size):
@@ -417,7 +423,7 @@ class _IndexedChunk(torch.autograd.Function):
                                    decay_normalizer)
             h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
         else:
-            sources = (q, keys, g, router_logits) + ((q_shared, keys_s, gs) if q_shared is not None else (q, keys, g))
+            sources = _sources(q, keys, g, router_logits, q_shared, keys_s, gs)
         dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True,
                            exact_last=initial_state is not None)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
