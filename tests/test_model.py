@@ -254,6 +254,27 @@ def test_router_logits_are_float32_whatever_the_compute_dtype():
     assert rel_err(inputs["router_logits"], F.linear(x, fp32.router.weight)) < 1e-6
 
 
+@pytest.mark.gpu
+def test_router_logits_on_cuda_are_one_gemm_with_float32_output(monkeypatch):
+    """On CUDA a bf16 model's router logits come from one GEMM of the bf16 x and W with float32 output when no
+    gradient is recorded (`float32_router`), and are the float32 product up to the order of its sum; with a gradient
+    to record they come from the float32 copies as on the CPU."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 257, 2048, device="cuda").bfloat16()
+    w = torch.randn(4, 2048, device="cuda").bfloat16()
+    want = F.linear(x.double(), w.double())
+    calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(k.get("out_dtype")) or mm(*a, **k))
+    fast = modeling_sse.float32_router(x, w)
+    assert calls == [torch.float32]
+    recorded = modeling_sse.float32_router(x.requires_grad_(), w)
+    assert calls == [torch.float32] and recorded.requires_grad
+    for logits in (fast, recorded):
+        assert logits.dtype == torch.float32 and logits.shape == (3, 257, 4)
+        assert rel_err(logits, want) < 1e-6
+
+
 @pytest.mark.parametrize("lora", [3, 0])
 def test_input_projections_gradients_in_float64(lora):
     """SSEInputProjections' hand-written backward is the derivative of its forward (gradcheck over x and every

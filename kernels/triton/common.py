@@ -3,8 +3,19 @@ on router weights, top-K tie-breaking (lowest index wins, like a stable sort) an
 
 All of them take 2-D float32 register tiles [rows, columns] and reduce over the columns (axis 1).
 """
+import functools
+
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def pow2(n: int) -> int:
+    """triton.next_power_of_2(n) for the launches' block sizes, cached: the host asks for ~20 of them in an SSE
+    layer's training forward, at 1 us a call with Triton 3.6 (the H200 node) and 2 us with 3.9 (a
+    `constexpr_function` there; 0.1 us cached), and the host's time bounds a short training step on a slow host
+    (kernels/NOTES.md)."""
+    return triton.next_power_of_2(n)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import logsigmoid, router_softmax, softmax_keys, top1
+from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, top1
 
 
 @triton.jit
@@ -131,14 +131,14 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
-    block_c = triton.next_power_of_2(C)
-    block_v = block_v or min(triton.next_power_of_2(V), max(16, 32768 // (block_c * state.element_size())))
+    block_c = pow2(C)
+    block_v = block_v or min(pow2(V), max(16, 32768 // (block_c * state.element_size())))
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
             *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
-            row_topk or 0, decay_normalizer is not None, block_c, block_v, triton.next_power_of_2(N),
+            row_topk or 0, decay_normalizer is not None, block_c, block_v, pow2(N),
             num_warps=num_warps)
     return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import router_softmax, softmax_keys
+from kernels.triton.common import pow2, router_softmax, softmax_keys
 
 
 @triton.jit
@@ -146,13 +146,12 @@ def _collect_bwd_kernel(do_ptr, pos_ptr, drows_ptr, H, V, J: tl.constexpr, BLOCK
 
 
 def _blocks(H, C, V, N):
-    p2 = triton.next_power_of_2
-    return dict(BLOCK_H=p2(H), BLOCK_C=p2(C), BLOCK_V=p2(V), BLOCK_N=p2(N))
+    return dict(BLOCK_H=pow2(H), BLOCK_C=pow2(C), BLOCK_V=pow2(V), BLOCK_N=pow2(N))
 
 
 def _warps(H, C):
     # Enough threads that the backward's dozen [H, C] float32 tiles stay in registers.
-    return 8 if triton.next_power_of_2(H) * triton.next_power_of_2(C) >= 2048 else 4
+    return 8 if pow2(H) * pow2(C) >= 2048 else 4
 
 
 class _Expand(torch.autograd.Function):
@@ -201,8 +200,8 @@ class _Collect(torch.autograd.Function):
         L, J = pos.shape
         o = torch.empty(L, H, V, dtype=out_dtype, device=rows.device)
         if L:
-            _collect_fwd_kernel[(L,)](rows.contiguous(), pos, o, H, V, J, triton.next_power_of_2(H),
-                                      triton.next_power_of_2(V))
+            _collect_fwd_kernel[(L,)](rows.contiguous(), pos, o, H, V, J, pow2(H),
+                                      pow2(V))
         ctx.save_for_backward(pos)
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
         return o
@@ -214,7 +213,7 @@ class _Collect(torch.autograd.Function):
         drows = torch.empty(R, H, V, dtype=ctx.rows_dtype, device=do.device)
         if pos.shape[0]:
             _collect_bwd_kernel[(pos.shape[0],)](do.contiguous(), pos, drows, H, V, pos.shape[1],
-                                                 triton.next_power_of_2(H), triton.next_power_of_2(V))
+                                                 pow2(H), pow2(V))
         return drows, None, None
 
 

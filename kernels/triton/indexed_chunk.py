@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import logsigmoid, router_softmax, softmax_keys
+from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -334,7 +334,7 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     if L:
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
-                           triton.next_power_of_2(H), triton.next_power_of_2(C), num_warps=_warps(H, C))
+                           pow2(H), pow2(C), num_warps=_warps(H, C))
     return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
 
 
@@ -348,9 +348,8 @@ def _launch(kernel, C, V, N, chunk_size):
     """Block sizes and launch settings of one chunk kernel. `LAUNCH[kernel]["BLOCK_V"]` caps the value columns of
     one program: every program of a chunk rebuilds the chunk's rows (and the output kernels its scores), so fewer,
     wider programs rebuild them fewer times, at the cost of registers."""
-    p2 = triton.next_power_of_2
     launch = dict(LAUNCH[kernel])
-    return dict(BT=chunk_size, BLOCK_C=p2(C), BLOCK_V=min(p2(V), launch.pop("BLOCK_V")), BLOCK_N=p2(N), **launch)
+    return dict(BT=chunk_size, BLOCK_C=pow2(C), BLOCK_V=min(pow2(V), launch.pop("BLOCK_V")), BLOCK_N=pow2(N), **launch)
 
 
 def _chunk_grid(tables, H, V, launch):
@@ -401,8 +400,8 @@ class _IndexedChunk(torch.autograd.Function):
         del sources, made, keys, g, keys_s, gs  # freed here unless kept
         o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
-            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], triton.next_power_of_2(H),
-                                      triton.next_power_of_2(V))
+            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H),
+                                      pow2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)

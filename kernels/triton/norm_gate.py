@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.common import pow2
+
 ELEMENTS = 2048  # per program: 16 rows of a head (D = 128), one row of a 2048-wide hidden state
 BACKWARD_PROGRAMS = 1024  # the backward's programs loop over row blocks, so dw's partial sums stay [<= 1024, D]
 
@@ -63,7 +65,7 @@ def _bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr, R
 
 
 def _blocks(D: int) -> tuple[int, int]:
-    block_d = triton.next_power_of_2(D)
+    block_d = pow2(D)
     return max(1, ELEMENTS // block_d), block_d
 
 

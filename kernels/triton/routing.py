@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import top1
+from kernels.triton.common import pow2, top1
 
 BLOCK_T = 256  # tokens per program in the token-parallel kernels
 HIST_BLOCKS = tl.constexpr(64)  # token blocks' histograms summed per step
@@ -125,7 +125,7 @@ def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, ro
 
 def _topk(router_logits: torch.Tensor, top_k: int):
     L, N = router_logits.shape
-    block_n = triton.next_power_of_2(N)
+    block_n = pow2(N)
     blocks = triton.cdiv(L, BLOCK_T)
     idx = torch.empty(L, top_k, dtype=torch.int32, device=router_logits.device)
     hist = torch.empty(blocks, block_n, dtype=torch.int32, device=router_logits.device)
