@@ -254,15 +254,18 @@ def main(argv=None):
 
     def cell(r):
         return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
+    # The host's share of SSE-H's step: near 1 the host, not the GPU, set the step's pace (kernels/NOTES.md).
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
-             "tokens/s (peak GiB)", "",
-             "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 |",
-             "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
+             "tokens/s (peak GiB); SSE-H host / step: the time the host took to queue SSE-H's step over the step's",
+             "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
+             "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
     for r in rows:
         baselines = [r[n]["tokens_per_s"] for n in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if r.get(n)]
         ratio = f"{r['SSE-H']['tokens_per_s'] / max(baselines):.2f}" if r.get("SSE-H") and baselines else ""
+        sse = r.get("SSE-H")
+        host = f"{statistics.median(sse['host_ms']) / statistics.median(sse['step_ms']):.2f}" if sse else ""
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "
-                     + " | ".join(cell(r[n]) for n in names) + f" | {ratio} |")
+                     + " | ".join(cell(r[n]) for n in names) + f" | {ratio} | {host} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
