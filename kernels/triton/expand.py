@@ -200,8 +200,7 @@ class _Collect(torch.autograd.Function):
         L, J = pos.shape
         o = torch.empty(L, H, V, dtype=out_dtype, device=rows.device)
         if L:
-            _collect_fwd_kernel[(L,)](rows.contiguous(), pos, o, H, V, J, pow2(H),
-                                      pow2(V))
+            _collect_fwd_kernel[(L,)](rows.contiguous(), pos, o, H, V, J, pow2(H), pow2(V))
         ctx.save_for_backward(pos)
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
         return o
@@ -212,8 +211,7 @@ class _Collect(torch.autograd.Function):
         R, H, V = ctx.rows_shape
         drows = torch.empty(R, H, V, dtype=ctx.rows_dtype, device=do.device)
         if pos.shape[0]:
-            _collect_bwd_kernel[(pos.shape[0],)](do.contiguous(), pos, drows, H, V, pos.shape[1],
-                                                 pow2(H), pow2(V))
+            _collect_bwd_kernel[(pos.shape[0],)](do.contiguous(), pos, drows, H, V, pos.shape[1], pow2(H), pow2(V))
         return drows, None, None
 
 

@@ -400,8 +400,7 @@ class _IndexedChunk(torch.autograd.Function):
         del sources, made, keys, g, keys_s, gs  # freed here unless kept
         o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
-            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H),
-                                      pow2(V))
+            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)
