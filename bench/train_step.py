@@ -254,9 +254,9 @@ def main(argv=None):
 
     def cell(r):
         return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
-    # The host's share of SSE-H's step: near 1 the host, not the GPU, set the step's pace (kernels/NOTES.md).
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
-             "tokens/s (peak GiB); SSE-H host / step: the time the host took to queue SSE-H's step over the step's",
+             "tokens/s (peak GiB); SSE-H host / step: the host's time to queue SSE-H's step over the step's time "
+             "(near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
              "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
     for r in rows:
