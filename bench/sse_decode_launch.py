@@ -1,12 +1,14 @@
-"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x warps, for float32 and bfloat16 state caches;
-and the GPU's own streaming bandwidth at several sizes.
+"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x warps, for float32, bfloat16 and int16
+(fixed point) state caches; and the GPU's own streaming bandwidth at several sizes.
 
-    python bench/sse_decode_launch.py [--batch 256] [--heads 16] [--out bench/results]
+    python bench/sse_decode_launch.py [--batch 256] [--heads 16] [--dtypes float32 bfloat16 int16] [--no-stream]
+                                      [--out bench/results]
 
 Launches `sse_decode_triton` with each launch override (K = 1 + shared, c = d_v = 128, bf16 inputs and decay
 logits as vLLM passes them), each under CUDA-graph replay, and prints microseconds per layer and GB/s of state
 traffic (the two touched states, read and written), after the GPU's in-place scale of as many bytes (`x.mul_`:
-every byte read and written back where it was, as the kernel updates its states; the JSON's rows with BLOCK_V 0).
+every byte read and written back where it was, as the kernel updates its states; the JSON's rows with BLOCK_V 0;
+int16 moves bfloat16's bytes plus its scales and has no row of its own).
 Then a device-to-device copy and the in-place scale from 64 MiB to 2 GiB (the JSON's `bandwidth`).
 `sse_decode_triton` uses the launch this sweep found best on an H100 (a 32 KB state tile per program, 4 warps;
 bench/results/sse_decode_launch_20261124{,b}.md, sse_decode_grid_order_20261127.md); rerun it on a new GPU kind
@@ -29,7 +31,9 @@ def decode_case(batch, H, N=4, c=128, dv=128, state_dtype=torch.float32):
     """One decode step's state cache (the batch's slots spread over twice as many, partition-major as vLLM lays it
     out: `sse_model.vllm_model.sse_state_shape`) and bf16 inputs, decay logits with their normalizer as vLLM passes
     them, named as `kernels.sse_decode` takes them. Returns (state, slots, inputs)."""
-    state = torch.zeros(2 * batch, N + 1, H, c, dv, device="cuda", dtype=state_dtype).transpose(1, 2)
+    from kernels import cache_rows
+    state = torch.zeros(2 * batch, N + 1, H, cache_rows(c, state_dtype), dv, device="cuda", dtype=state_dtype)
+    state = state.transpose(1, 2)
     slots = torch.randperm(2 * batch, device="cuda")[:batch].int()
     inputs = {name: torch.randn(batch, H, c, device="cuda", dtype=torch.bfloat16)
               for name in ("q", "k_logits", "q_shared", "k_shared_logits")}
@@ -92,20 +96,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int16"])
+    p.add_argument("--no-stream", action="store_true", help="skip the copy / in-place scale sizes")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        rows.append(reference_row(args.batch, args.heads, 128, 128, dtype))
-        print(f"{rows[-1]['dtype']:9s} in-place scale of the same bytes: {rows[-1]['us']:6.1f} us "
-              f"{rows[-1]['gbs']:6.0f} GB/s", flush=True)
+    for dtype in (getattr(torch, name) for name in args.dtypes):
+        if dtype.is_floating_point:
+            rows.append(reference_row(args.batch, args.heads, 128, 128, dtype))
+            print(f"{rows[-1]['dtype']:9s} in-place scale of the same bytes: {rows[-1]['us']:6.1f} us "
+                  f"{rows[-1]['gbs']:6.0f} GB/s", flush=True)
         for block_v in (16, 32, 64, 128):
             for warps in (2, 4, 8):
                 us, gbs = time_launch(args.batch, args.heads, 4, 128, 128, dtype, block_v, warps)
                 rows.append(dict(dtype=str(dtype).split(".")[1], block_v=block_v, warps=warps, us=us, gbs=gbs))
                 print(f"{rows[-1]['dtype']:9s} BLOCK_V {block_v:3d} warps {warps}: {us:7.1f} us {gbs:6.0f} GB/s",
                       flush=True)
-    bandwidth = stream_rows()
+    bandwidth = [] if args.no_stream else stream_rows()
     now = datetime.now(timezone.utc)
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(), batch=args.batch,

@@ -1,12 +1,14 @@
-"""How far a bfloat16 SSE state cache drifts from float64 over a long decode, next to float32.
+"""How far bfloat16 and int16 SSE state caches drift from float64 over a long decode, next to float32.
 
     python bench/state_dtype_drift.py [--steps 4096] [--out bench/results]
 
 vLLM can store the SSE states in bfloat16 (`mamba_ssm_cache_dtype="bfloat16"`, sse_model/vllm_engine_config.py):
 every decode step updates a state in float32 and rounds it back. A row whose decay is close to 1 keeps a long
 memory, and an update smaller than half the state's last bfloat16 bit is lost, so the error grows with the
-memory length. This runs `kernels.sse_decode` (the torch twin, the same update and rounding as the Triton kernel)
-for one random sequence with float64, float32 and bfloat16 state caches, and reports the relative error of the
+memory length. int16 states (16-bit fixed point with a float32 scale per state column, vLLM's default for a 16-bit
+model: kernels/sse/decode.py) keep updates down to a part in 32,767 of their column's largest value. This runs
+`kernels.sse_decode` (the torch twin, the same update and rounding as the Triton kernel) for one random sequence
+with float64, float32, bfloat16 and int16 state caches, and reports the relative error of the
 outputs against float64 in windows of steps, for two decay regimes: gate logits ~ N(0, 1) (decay ~0.96 per
 step, a memory of ~25 tokens) and N(4, 1) (decay ~0.999, ~900 tokens). Inputs are float32 (K = 1 of N = 4
 partitions plus the shared one, H = 2, c = 128, d_v = 64).
@@ -29,7 +31,8 @@ H, C, DV, N, K = 2, 128, 64, 4, 1
 def outputs(state_dtype, steps: int, gate_mean: float) -> torch.Tensor:
     from kernels import sse_decode
     g = torch.Generator().manual_seed(0)
-    state = torch.zeros(1, H, N + 1, C, DV, dtype=state_dtype)
+    from kernels import states_to_cache
+    state = states_to_cache(torch.zeros(1, H, N + 1, C, DV), state_dtype)
     slots, outs = torch.tensor([0]), []
 
     def draw(*shape, scale=1.0, mean=0.0):
@@ -52,7 +55,7 @@ def main(argv=None):
     results = {}
     for label, gate_mean in (("gates N(0,1)", 0.0), ("gates N(4,1)", 4.0)):
         ref = outputs(torch.float64, args.steps, gate_mean)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.int16):
             o = outputs(dtype, args.steps, gate_mean).double()
             results[f"{label}, {str(dtype)[6:]} states"] = [
                 float((o[i:i + size] - ref[i:i + size]).norm() / ref[i:i + size].norm())

@@ -78,7 +78,7 @@ def main():
     short, long = run(32), run(288)
     step_ms = (long - short) / 256 * 1e3
     name = args.model + ("" if args.state_dtype == "auto" else f" ({args.state_dtype} states)")
-    state_dtype = torch.float32 if args.state_dtype == "auto" else getattr(torch, args.state_dtype)
+    state_dtype = torch.int16 if args.state_dtype == "auto" else getattr(torch, args.state_dtype)  # bf16 engine
     lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads, state_dtype=state_dtype)] \
         if sse and not args.wall_only else []
     lines += [f"{name} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms of wall time "

@@ -12,8 +12,10 @@ request generates exactly the asked number of tokens (ignore_eos) at temperature
 model runs in its own process, so engine start (time to a ready `vllm.LLM`) is measured from a cold process and
 memory is freed between models. Reported per model: start seconds, output tokens/s per generation length,
 vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache holds), and cache
-bytes per sequence (SSE state + attention KV) from the config. `SSE-H-bf16-states` is the same SSE-H with its
-states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; `--models SSE-H SSE-H-bf16-states Qwen3`).
+bytes per sequence (SSE state + attention KV) from the config. `SSE-H` stores its states as vLLM's default gives
+them to a bf16 model (int16 fixed point, sse_model/vllm_engine_config.py); `SSE-H-f32-states` and
+`SSE-H-bf16-states` are the same SSE-H with float32 and bfloat16 states (vLLM's `mamba_ssm_cache_dtype`;
+`--models SSE-H SSE-H-f32-states Qwen3`).
 With `--engine '{"enable_logging_iteration_details": true}'` the report also says, per timed generation, how many
 engine steps ran and how long the engine waited for their model outputs (`step_waits`): host-bound or stalled.
 
@@ -51,8 +53,9 @@ SHAPES = {
 SSE = dict(sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True, sse_lora_rank=64, attention_qk_norm=True)
 PROMPT_TOKENS = 256
 # Per-model vllm.LLM settings on top of --engine.
-MODEL_ENGINE = {"SSE-H-bf16-states": dict(mamba_ssm_cache_dtype="bfloat16")}
-MODELS = ["SSE-H", "SSE-H-bf16-states", "Qwen3"]
+MODEL_ENGINE = {"SSE-H-f32-states": dict(mamba_ssm_cache_dtype="float32"),
+                "SSE-H-bf16-states": dict(mamba_ssm_cache_dtype="bfloat16")}
+MODELS = ["SSE-H", "SSE-H-f32-states", "SSE-H-bf16-states", "Qwen3"]
 
 
 def configs(shape: str = "small"):
@@ -62,7 +65,7 @@ def configs(shape: str = "small"):
     from sse_model.configuration_sse import default_layer_types
     dims = SHAPES[shape]
     sse_h = SSEConfig(**dims, **SSE, layer_types=default_layer_types(dims["num_hidden_layers"]))
-    return {"SSE-H": sse_h, "SSE-H-bf16-states": sse_h,
+    return {"SSE-H": sse_h, "SSE-H-f32-states": sse_h, "SSE-H-bf16-states": sse_h,
             "Qwen3": Qwen3Config(**dims, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
@@ -76,7 +79,8 @@ def cache_per_sequence(name, config) -> tuple[int, int]:
     from sse_model.vllm_engine_config import state_bytes_per_sequence, state_dtype
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
     engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
-    state = state_bytes_per_sequence(config, 1, state_dtype(SimpleNamespace(**engine))) if SSE_LAYER in kinds else 0
+    dtype = state_dtype(SimpleNamespace(**engine), torch.bfloat16)  # the engines run bf16
+    state = state_bytes_per_sequence(config, 1, dtype) if SSE_LAYER in kinds else 0
     return state, 2 * config.num_key_value_heads * config.head_dim * 2 * sum(kind != SSE_LAYER for kind in kinds)
 
 

@@ -1,11 +1,14 @@
 """What an SSE hybrid reads from vLLM's engine config, and the defaults vLLM cannot choose for it by itself.
 
-State dtype. The SSE states are float32 unless the user asks for bfloat16 with vLLM's own knob for recurrent
-states, `mamba_ssm_cache_dtype` (or `mamba_cache_dtype`), as for vLLM's KDA layers (Kimi Linear), whose "auto"
-is float32 too. bfloat16 halves the state bytes a decode step reads and writes (what bounds decode speed) and
-doubles the sequences that fit, but a row whose decay is close to 1 loses updates smaller than its state's last
-bit: over 4k decode steps the SSE output is off by 0.5 % with typical gates and by 8-14 % with long-memory gates,
-where float32 stays below 1e-6 (bench/state_dtype_drift.py).
+State dtype, from vLLM's own knob for recurrent states, `mamba_ssm_cache_dtype` (or `mamba_cache_dtype`).
+"auto", vLLM's default, lets each model choose (its Mamba2 models take the model's dtype, its KDA layers float32);
+an SSE model in bfloat16 or float16 takes int16 states, 16-bit fixed point with a float32 scale per state column
+(kernels/sse/decode.py), and a float32 model float32 states. The state bytes a decode step reads and writes are
+what bounds its speed: int16 moves half of float32's, and over 4k decode steps its SSE output stays within 2e-4 of
+a float64 cache's with typical gates and 5e-4 with long-memory ones (decay ~0.999), below the model's own bfloat16
+rounding (4e-3), where bfloat16 states are off by 0.5 % and 8-14 % (a row whose decay is close to 1 loses every
+update below half its last bit) and float32 by under 1e-6 (bench/state_dtype_drift.py). "float32" and "bfloat16"
+are what they say; float16 is refused (a long-memory row's sum can pass its range).
 
 max_num_seqs.
 vLLM runs decode batches in full CUDA graphs, which need one state slot per sequence of `max_num_seqs`, and it
@@ -20,6 +23,7 @@ import logging
 import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from kernels import cache_rows
 from sse_model.configuration_sse import SSE_LAYER
 
 logger = logging.getLogger(__name__)
@@ -30,17 +34,20 @@ logger = logging.getLogger(__name__)
 RESERVED_FRACTION = 0.1
 
 
-STATE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def state_dtype(cache_config) -> torch.dtype:
-    """The SSE state cache's dtype from vLLM's `mamba_ssm_cache_dtype`, else `mamba_cache_dtype`."""
+def state_dtype(cache_config, model_dtype: torch.dtype) -> torch.dtype:
+    """The SSE state cache's dtype from vLLM's `mamba_ssm_cache_dtype`, else `mamba_cache_dtype`; "auto" is int16
+    (fixed point) for a 16-bit model and float32 otherwise."""
     name = cache_config.mamba_ssm_cache_dtype
     if name == "auto":
         name = cache_config.mamba_cache_dtype
+    if name == "auto":
+        return torch.int16 if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
     if name not in STATE_DTYPES:
-        raise ValueError(f"SSE states support mamba_ssm_cache_dtype (or mamba_cache_dtype) auto (= float32), "
-                         f"float32 or bfloat16, got {name!r}")
+        raise ValueError(f"SSE states support mamba_ssm_cache_dtype (or mamba_cache_dtype) auto (int16 fixed point "
+                         f"for a 16-bit model, else float32), float32 or bfloat16, got {name!r}")
     return STATE_DTYPES[name]
 
 
@@ -48,7 +55,7 @@ def state_bytes_per_sequence(config, tp_size: int, dtype: torch.dtype = torch.fl
     """SSE states of all SSE layers for one sequence on one tensor-parallel rank."""
     layers = sum(kind == SSE_LAYER for kind in config.layer_types)
     return dtype.itemsize * layers * (config.sse_num_heads // tp_size) * config.num_sse_partitions_with_shared \
-        * config.sse_key_dim * config.sse_value_dim
+        * cache_rows(config.sse_key_dim, dtype) * config.sse_value_dim
 
 
 def weight_bytes(config, dtype: torch.dtype) -> int:
@@ -64,7 +71,7 @@ def sequences_that_fit(vllm_config, total_memory: int) -> int | None:
     same number of bytes, so a running sequence of a hybrid takes at least two blocks."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     config, tp = model.hf_config, vllm_config.parallel_config.tensor_parallel_size
-    state = state_bytes_per_sequence(config, tp, state_dtype(cache))
+    state = state_bytes_per_sequence(config, tp, state_dtype(cache, model.dtype))
     if not state:
         return None
     if cache.num_gpu_blocks_override:

@@ -5,12 +5,14 @@ parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_
 (`STACKED_PARAMS`).
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
-holds the states [layers, N + shared, H, c, d_v] (float32, or bfloat16 on request: `vllm_engine_config.state_dtype`)
+holds the states [layers, N + shared, H, c, d_v] (int16 fixed point for a 16-bit model, float32 for a float32 one,
+bfloat16 on request: `vllm_engine_config.state_dtype`; an int16 state has two more rows, its scales)
 of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request, exactly as
 for its linear-attention models (MiniMax, Bailing).
 The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
 prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
 """
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -141,15 +143,16 @@ def state_groups(config: SSEConfig) -> list[list[int]]:
     return [sse[k:k + per_entry] for k in range(0, len(sse), per_entry)]
 
 
-def sse_state_shape(config: SSEConfig, tp_size: int) -> tuple[int, int, int, int, int]:
-    """One cache entry's state per request on one tensor-parallel rank: [layers, N + shared, H, c, d_v].
+def sse_state_shape(config: SSEConfig, tp_size: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """One cache entry's state per request on one tensor-parallel rank: [layers, N + shared, H, c, d_v] (c + 2
+    rows for int16 states: `kernels.cache_rows`).
 
     Partition-major: a decode step touches two of a head's N + shared states (its routed and the shared one), and
     an H100 updates those at 2.79 TB/s when each partition's heads lie side by side, against 2.54 TB/s with each
     head's partitions side by side (float32, batch 256; 9-11 % of the decode kernel's time, results identical;
     bench/results/sse_decode_state_layout_20261127.md)."""
     return (len(state_groups(config)[0]), config.num_sse_partitions_with_shared, config.sse_num_heads // tp_size,
-            config.sse_key_dim, config.sse_value_dim)
+            kernels.cache_rows(config.sse_key_dim, dtype), config.sse_value_dim)
 
 
 def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
@@ -263,10 +266,11 @@ class SSEStates(nn.Module, MambaBase):
     Created by the group's first SSE layer; every layer of the group finds it by name in vLLM's static forward
     context and works on its own row, `layer_states(row)`."""
 
-    def __init__(self, shape: tuple[int, ...], prefix: str):
+    def __init__(self, config: SSEConfig, prefix: str):
         super().__init__()
         vllm_config = get_current_vllm_config()
-        self.state_shape, self.state_dtype = shape, state_dtype(vllm_config.cache_config)
+        self.state_dtype = state_dtype(vllm_config.cache_config, vllm_config.model_config.dtype)
+        self.state_shape = sse_state_shape(config, get_tensor_model_parallel_world_size(), self.state_dtype)
         # Mamba-like layers are not registered by vLLM itself; without this entry the layers get no state.
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
@@ -316,7 +320,7 @@ class SSELinearAttention(nn.Module):
         self.state_row = group.index(index)
         self.states_name = prefix.replace(f"layers.{index}.", f"layers.{group[0]}.") + ".states"
         if self.state_row == 0:
-            self.states = SSEStates(sse_state_shape(config, tp), self.states_name)
+            self.states = SSEStates(config, self.states_name)
         self.num_heads, self.value_dim = H // tp, dv
         # The HF SSELayer's projections of x, stacked into one GEMM: q, k, v and the output gate's logits (split
         # over tensor-parallel ranks), then the narrow ones, replicated on every rank: the low-rank codes of the
@@ -351,8 +355,8 @@ class SSELinearAttention(nn.Module):
                         decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
-        self.state_shape = torch.Size(sse_state_shape(config, tp)[1:])  # its row of a slot: [N + shared, H, c, d_v]
-        self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_shape.numel()))
+        self.state_numel = math.prod(sse_state_shape(config, tp, torch.float32)[1:])  # its float32 states of a slot
+        self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_numel))
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
         # The custom op finds this layer by name in the static forward context.
@@ -384,7 +388,7 @@ class SSELinearAttention(nn.Module):
                 # the group's prefill instead would also count the GLA's temporaries, but compile and autotune
                 # fla's kernels during start-up.)
                 low_rank = self.low_rank_up(hidden_states[:, self.codes])[0]
-                torch.empty(PREFILL_STATE_COPIES * self.prefill_group * self.state_shape.numel(),
+                torch.empty(PREFILL_STATE_COPIES * self.prefill_group * self.state_numel,
                             dtype=torch.float32, device=hidden_states.device)
                 del low_rank  # (alive until the state copies were allocated)
             return
@@ -407,9 +411,10 @@ class SSELinearAttention(nn.Module):
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
                output: torch.Tensor) -> None:
-        """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (float32 or bfloat16;
-        prefills start from float32 copies of their slots' states). Inputs are views into the projections' outputs,
-        with the shared partition's low-rank terms in place of its q and key logits when the layer has them; decodes
+        """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (int16, float32 or
+        bfloat16; prefills start from float32 copies of their slots' states, `kernels.states_from_cache`). Inputs
+        are views into the projections' outputs, with the shared partition's low-rank terms in place of its q and key
+        logits when the layer has them; decodes
         write straight into `output`: the decode kernel reads and writes rows at any stride, takes the decay's
         logsigmoid and adds the low-rank terms itself, so a decode step copies none of its inputs or its output and
         launches one kernel per layer."""
@@ -429,10 +434,11 @@ class SSELinearAttention(nn.Module):
             if self.lora:
                 prefill["q_shared"] = sse_math.shared_partition(prefill["q"], prefill["q_shared"])
                 prefill["k_shared_logits"] = sse_math.shared_partition(prefill["k_logits"], prefill["k_shared_logits"])
-            o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=state[prefill_slots].float(),
+            o, final = kernels.sse_attention(**prefill, **self.ops,
+                                             initial_state=kernels.states_from_cache(state[prefill_slots]),
                                              output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
                                              impl=self.prefill_impl)
-            state[prefill_slots] = final.to(state.dtype)
+            state[prefill_slots] = kernels.states_to_cache(final, state.dtype)
             output[tokens] = o[0]
 
 
@@ -519,11 +525,12 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
     # IsHybrid: asked before the layers exist, so computed from the config alone.
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
-        return (sse_state_shape(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size),)
+        return (sse_state_shape(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size,
+                                cls.get_mamba_state_dtype_from_config(vllm_config)[0]),)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype]:
-        return (state_dtype(vllm_config.cache_config),)
+        return (state_dtype(vllm_config.cache_config, vllm_config.model_config.dtype),)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:

@@ -6,7 +6,7 @@ from conftest import rel_err, sse_inputs
 from kernels import sse_attention, sse_decode
 from kernels.dispatch import pick_implementation
 from kernels.gla import recurrent_gla_reference
-from kernels.sse import softmax_keys
+from kernels.sse import softmax_keys, states_from_cache, states_to_cache
 
 CHUNKED = ["chunk_torch_varlen", "chunk_torch_mask"]
 H, C, DV = 2, 8, 4
@@ -114,22 +114,22 @@ def test_chunked_gradients_match_reference(impl, case):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("act_dtype,state_dtype,tol", [
     (torch.float64, torch.float64, 1e-12), (torch.float32, torch.float32, 1e-5),
-    (torch.bfloat16, torch.float32, 2e-2), (torch.bfloat16, torch.bfloat16, 2e-2)])
+    (torch.bfloat16, torch.float32, 2e-2), (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.int16, 1e-4),
+    (torch.bfloat16, torch.int16, 2e-2)])
 def test_decode_steps_match_reference(shared, act_dtype, state_dtype, tol):
     """Several decode steps over a state cache with permuted slots and skipped rows (-1) equal running the
-    reference on the same tokens from the same initial states (a bfloat16 cache: vLLM's mamba_ssm_cache_dtype,
-    its states rounded once per step)."""
+    reference on the same tokens from the same initial states (a bfloat16 or int16 cache: vLLM's
+    mamba_ssm_cache_dtype, or its default for a 16-bit model; its states rounded once per step)."""
     N, K, steps, num_slots = 6, 2, 5, 9
     slots = torch.tensor([7, -1, 2, 0])
     live = slots >= 0
     x = sse_inputs(4, steps, H, C, DV, N, shared=shared, seed=5)
     x = {k: v.to(act_dtype).double() for k, v in x.items()}   # inputs representable in the activation dtype
-    cache = torch.randn(num_slots, H, N + shared, C, DV, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(6)).to(state_dtype).double()
-    h0 = cache[slots[live]].clone()
+    state = states_to_cache(torch.randn(num_slots, H, N + shared, C, DV, dtype=torch.float64,
+                                        generator=torch.Generator().manual_seed(6)), state_dtype)
+    h0 = states_from_cache(state[slots[live]]).double()
     ref_o, ref_s = sse_attention(**{k: v[live] for k, v in x.items()}, top_k=K, initial_state=h0,
                                  output_final_state=True, impl="reference")
-    state = cache.to(state_dtype)
     before = state.clone()
     outs = []
     for t in range(steps):
@@ -139,9 +139,51 @@ def test_decode_steps_match_reference(shared, act_dtype, state_dtype, tol):
     assert o.dtype == act_dtype and state.dtype == state_dtype
     assert torch.count_nonzero(o[~live]) == 0
     assert rel_err(o[live], ref_o) < tol
-    assert rel_err(state[slots[live]], ref_s) < max(tol, 1e-6 if act_dtype != torch.float64 else tol)
+    assert rel_err(states_from_cache(state[slots[live]]), ref_s) < max(tol, 1e-6 if act_dtype != torch.float64 else tol)
     untouched = [i for i in range(num_slots) if i not in slots.tolist()]
     assert torch.equal(state[untouched], before[untouched])
+
+
+def test_int16_states_round_trip():
+    """int16 states: each value within half a step (a part in 2 * 32,767 of its column's largest |value|) of the
+    float32 one; a zero column and one too small to scale are stored as zeros (scales included), so zeroing a slot's
+    bytes is a zero state."""
+    S = torch.randn(3, 2, 5, C, DV, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, DV)
+    S[0, 0, 0] = 0.0
+    S[0, 0, 1, :, 0] = 1e-35
+    cached = states_to_cache(S, torch.int16)
+    assert cached.dtype == torch.int16 and cached.shape == (3, 2, 5, C + 2, DV)
+    back = states_from_cache(cached)
+    top = S.abs().amax(-2, keepdim=True)
+    bound = torch.where(top > 1e-30, 0.51 * top / 32767, top)  # float32 rounding: 32,767 x 2^-24 of a step
+    assert bool(((back - S).abs() <= bound).all())
+    assert torch.count_nonzero(cached[0, 0, 0]) == 0 and torch.count_nonzero(back[0, 0, 1, :, 0]) == 0
+    assert torch.count_nonzero(states_from_cache(torch.zeros_like(cached))) == 0
+
+
+def test_int16_states_keep_long_memory_updates():
+    """A decay close to 1 (~0.999 a step) over 1,024 decode steps: bfloat16 states lose every update below half
+    their last bit and drift by several percent, int16 ones (fixed point per column) stay within 1e-3 of float64
+    (bench/state_dtype_drift.py has the longer runs)."""
+    g = torch.Generator().manual_seed(0)
+    steps, N = 1024, 4
+    inputs = [dict(q=torch.randn(1, 1, C, generator=g), k_logits=2 * torch.randn(1, 1, C, generator=g),
+                   v=torch.randn(1, 1, DV, generator=g), router_logits=torch.randn(1, N, generator=g),
+                   log_decay=torch.randn(1, 1, C, generator=g) + 4, q_shared=torch.randn(1, 1, C, generator=g),
+                   k_shared_logits=2 * torch.randn(1, 1, C, generator=g)) for _ in range(steps)]
+
+    def outputs(dtype):
+        state = states_to_cache(torch.zeros(1, 1, N + 1, C, DV), dtype)
+        return torch.stack([sse_decode(state, torch.tensor([0]), **{k: v.to(torch.promote_types(dtype, v.dtype))
+                                                                   if dtype == torch.float64 else v
+                                                                   for k, v in x.items()},
+                                       top_k=1, decay_normalizer=16.0, impl="torch") for x in inputs])
+    ref = outputs(torch.float64)
+    errors = {dtype: rel_err(outputs(dtype)[steps // 2:], ref[steps // 2:])
+              for dtype in (torch.int16, torch.bfloat16, torch.float32)}
+    print({str(k): f"{e:.1e}" for k, e in errors.items()})
+    assert errors[torch.float32] < 1e-5
+    assert errors[torch.int16] < 1e-3 < 1e-2 < errors[torch.bfloat16]
 
 
 def test_decode_touches_only_selected_partitions():

@@ -378,8 +378,9 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
     layers = [S] * 5 + [A]
-    state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1)
-    assert state == 20 * 4 * 16 * 5 * 128 * 128  # float32, 20 SSE layers, 16 heads, 4 partitions + shared
+    state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1, torch.int16)
+    assert state == 20 * 2 * 16 * 5 * (128 + 2) * 128  # int16 (a bf16 model's default), 20 SSE layers, 16 heads, 4
+    # partitions + shared, each state's 128 rows and its two rows of scales
 
     vllm_config = engine_config(layers * 4)
     hook.SSEEngineConfig.verify_and_update_config(vllm_config)
@@ -393,16 +394,19 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     blocks = engine_config(layers * 4, num_gpu_blocks_override=10)  # two blocks per sequence
     hook.SSEEngineConfig.verify_and_update_config(blocks)
     assert blocks.scheduler_config.max_num_seqs == 5
-    pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 4 * 16 * 5 * 128 * 128)  # one block each
+    pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 2 * 16 * 5 * 130 * 128)  # one block each
     hook.SSEEngineConfig.verify_and_update_config(pure)
     assert pure.scheduler_config.max_num_seqs == 100
     transformer = engine_config([A] * 4)  # no states: vLLM's own default stands
     hook.SSEEngineConfig.verify_and_update_config(transformer)
     assert transformer.scheduler_config.max_num_seqs == 1024
 
-    half = engine_config(layers * 4, mamba_ssm_cache_dtype="bfloat16")  # bfloat16 states: twice the sequences
+    half = engine_config(layers * 4, mamba_ssm_cache_dtype="bfloat16")  # bfloat16 states: no scale rows
     hook.SSEEngineConfig.verify_and_update_config(half)
-    assert half.scheduler_config.max_num_seqs == int(budget) // (state // 2) // 2
+    assert half.scheduler_config.max_num_seqs == int(budget) // (state * 128 // 130) // 2
+    f32 = engine_config(layers * 4, mamba_ssm_cache_dtype="float32")  # float32 states: about half the sequences
+    hook.SSEEngineConfig.verify_and_update_config(f32)
+    assert f32.scheduler_config.max_num_seqs == int(budget) // (state * 2 * 128 // 130) // 2
 
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
     cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs
@@ -410,19 +414,23 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     assert cpu.scheduler_config.max_num_seqs == 1024
 
 
-@pytest.mark.parametrize("ssm, cache, dtype", [
-    ("auto", "auto", torch.float32), ("bfloat16", "auto", torch.bfloat16), ("auto", "bfloat16", torch.bfloat16),
-    ("float32", "bfloat16", torch.float32), ("float16", "auto", None), ("auto", "fp8", None)])
-def test_state_dtype_follows_vllms_recurrent_state_knobs(ssm, cache, dtype):
+@pytest.mark.parametrize("ssm, cache, model, dtype", [
+    ("auto", "auto", torch.bfloat16, torch.int16), ("auto", "auto", torch.float16, torch.int16),
+    ("auto", "auto", torch.float32, torch.float32), ("bfloat16", "auto", torch.bfloat16, torch.bfloat16),
+    ("auto", "bfloat16", torch.float32, torch.bfloat16), ("float32", "bfloat16", torch.bfloat16, torch.float32),
+    ("float16", "auto", torch.bfloat16, None), ("auto", "fp8", torch.bfloat16, None)])
+def test_state_dtype_follows_vllms_recurrent_state_knobs(ssm, cache, model, dtype):
+    """"auto" (vLLM's default) lets the model choose: int16 fixed point for a 16-bit model, float32 for a float32
+    one (whose outputs the CPU tests compare with the HF model's to 1e-4)."""
     from types import SimpleNamespace
 
     from sse_model.vllm_engine_config import state_dtype
     config = SimpleNamespace(mamba_ssm_cache_dtype=ssm, mamba_cache_dtype=cache)
     if dtype is None:
         with pytest.raises(ValueError, match="SSE states support mamba_ssm_cache_dtype"):
-            state_dtype(config)
+            state_dtype(config, model)
     else:
-        assert state_dtype(config) == dtype
+        assert state_dtype(config, model) == dtype
 
 
 @pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1)])

@@ -97,8 +97,10 @@ def engine(checkpoint):
     started = time.perf_counter()
     llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.35, seed=0)
     RESULTS["default_engine_start_s"] = time.perf_counter() - started
-    config = llm.llm_engine.vllm_config.compilation_config
-    RESULTS["cudagraph_mode"] = str(config.cudagraph_mode)
+    vllm_config = llm.llm_engine.vllm_config
+    RESULTS["cudagraph_mode"] = str(vllm_config.compilation_config.cudagraph_mode)
+    from sse_model.vllm_engine_config import state_dtype
+    RESULTS["default_state_dtype"] = str(state_dtype(vllm_config.cache_config, vllm_config.model_config.dtype))
     yield llm
     del llm
 
@@ -269,21 +271,29 @@ def test_sampled_kl_against_a_float32_master_trainer(engine, hf, master, checkpo
     assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL, k
 
 
-def test_bfloat16_states_on_request(engine, checkpoint, hf):
-    """SSE states stored in bfloat16 (vLLM's `mamba_ssm_cache_dtype`; updates stay float32, one rounding per step):
-    the same parity checks as float32 states, side by side. The greedy logprobs must move off the float32 engine's
-    (the setting reached the states) while staying within the bars."""
+def test_default_states_are_int16_for_a_bf16_model(engine):
+    """vLLM's "auto" state dtype: a bf16 model's SSE states are int16 fixed point (sse_model/vllm_engine_config.py),
+    so the parity checks above ran on them."""
+    assert RESULTS["default_state_dtype"] == "torch.int16", RESULTS["default_state_dtype"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_states_of_the_dtype_asked_for(engine, checkpoint, hf, dtype):
+    """SSE states stored as asked (vLLM's `mamba_ssm_cache_dtype`; updates stay float32, one rounding per step):
+    the same parity checks as the default engine's int16 states, side by side. The greedy logprobs must move off
+    the default engine's (the setting reached the states) while staying within the bars."""
     from vllm import LLM
-    llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.2, seed=0, mamba_ssm_cache_dtype="bfloat16")
+    llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.2, seed=0, mamba_ssm_cache_dtype=dtype)
     moved = max(float((vllm_logprobs(a) - vllm_logprobs(b)).abs().max())
                 for a, b in zip(greedy(llm, checkpoint[1]), greedy(engine, checkpoint[1])))
-    RESULTS["bf16_states"] = dict(greedy_logprob_abs_diff=greedy_logprob_diffs(llm, hf, checkpoint[1])[0],
-                                  sampled_kl=sampled_kl(llm, hf, checkpoint[1])[0], max_moved_vs_float32=moved)
+    RESULTS[f"{dtype}_states"] = r = dict(greedy_logprob_abs_diff=greedy_logprob_diffs(llm, hf, checkpoint[1])[0],
+                                          sampled_kl=sampled_kl(llm, hf, checkpoint[1])[0],
+                                          max_moved_vs_default=moved)
     save_results()
     del llm
-    k, d = RESULTS["bf16_states"]["sampled_kl"], RESULTS["bf16_states"]["greedy_logprob_abs_diff"]
-    assert moved > 0, "bfloat16 states gave the float32 engine's logprobs exactly: the setting did not apply"
-    assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL and d["mean"] < 0.02, RESULTS["bf16_states"]
+    k, d = r["sampled_kl"], r["greedy_logprob_abs_diff"]
+    assert moved > 0, f"{dtype} states gave the default engine's logprobs exactly: the setting did not apply"
+    assert math.isfinite(k["mean"]) and k["mean"] < MAX_KL and d["mean"] < 0.02, r
 
 
 def test_identical_requests_never_share_state(engine, checkpoint):

@@ -1,7 +1,7 @@
 from kernels.sse.chunk import sse_chunk_mask, sse_chunk_varlen
-from kernels.sse.decode import sse_decode_torch
+from kernels.sse.decode import cache_rows, sse_decode_torch, states_from_cache, states_to_cache
 from kernels.sse.naive import sse_reference
 from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
 
-__all__ = ["sse_chunk_mask", "sse_chunk_varlen", "sse_decode_torch", "sse_reference", "log_decay_from_logits", "route",
-           "softmax_keys"]
+__all__ = ["cache_rows", "sse_chunk_mask", "sse_chunk_varlen", "sse_decode_torch", "sse_reference",
+           "log_decay_from_logits", "route", "softmax_keys", "states_from_cache", "states_to_cache"]

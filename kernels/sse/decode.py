@@ -2,22 +2,62 @@
 
 Torch twin of the fused Triton decode kernel (same signature); it serves the CPU and is the kernel's check.
 Only the K selected partitions and the shared one are read and written.
+
+A state cache holds float32, bfloat16 or int16 states. int16 is 16-bit fixed point: a state [c, d_v] is stored as
+[c + SCALE_ROWS, d_v], the values round(S / s) for one float32 scale s per column (s = max_c |S[c, d]| / FIXED_MAX,
+so every value fits) and then the d_v scales' bytes in the last two rows (so one tensor, copied and zeroed whole,
+holds a state; a zeroed state is zero). It moves half of float32's bytes, like bfloat16, but its error is set by
+the column's largest value rather than by each value's own exponent: an update as small as a part in 32,767 of the
+column's largest value still counts, where bfloat16 loses every update below half its value's last bit (a part in
+512), which is what a decay close to 1 asks for (bench/state_dtype_drift.py).
 """
 import torch
 
 from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
 
+FIXED_MAX = 32767   # the largest int16 value a column's largest |S| is stored as
+SCALE_ROWS = 2      # one float32 scale per column = two int16 rows
+ZERO_BELOW = 1e-30  # a column whose largest |S| is below this is stored as zeros (its 1 / scale would overflow)
+
+
+def cache_rows(c: int, dtype: torch.dtype) -> int:
+    """Rows of one stored [c, d_v] state in a cache of `dtype`."""
+    return c + SCALE_ROWS if dtype == torch.int16 else c
+
+
+def states_from_cache(cached: torch.Tensor) -> torch.Tensor:
+    """States [..., c, d_v] in float32 at least (float64 stays) from cache rows [..., cache_rows(c), d_v]."""
+    if cached.dtype != torch.int16:
+        return cached.to(torch.promote_types(cached.dtype, torch.float32))
+    values, scale_rows = cached[..., :-SCALE_ROWS, :], cached[..., -SCALE_ROWS:, :]
+    scales = scale_rows.contiguous().view(torch.float32).reshape(*scale_rows.shape[:-2], 1, -1)
+    return values.float() * scales
+
+
+def states_to_cache(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., cache_rows(c, dtype), d_v] of `dtype` holding states [..., c, d_v] (rounded once). The
+    Triton decode kernel stores int16 states with the same arithmetic."""
+    if dtype != torch.int16:
+        return states.to(dtype)
+    states = states.float()
+    top = states.abs().amax(-2, keepdim=True)                                   # [..., 1, d_v]
+    x = states * (FIXED_MAX / torch.where(top > ZERO_BELOW, top, torch.ones_like(top)))
+    values = (x.sign() * (x.abs() + 0.5).floor()).clamp(-FIXED_MAX, FIXED_MAX).to(torch.int16)
+    scale_rows = (top / FIXED_MAX).contiguous().view(torch.int16).reshape(*top.shape[:-2], SCALE_ROWS, -1)
+    return torch.cat([values, scale_rows], -2)
+
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                      shared_lora=False):
-    """state [num_slots, H, N + shared, c, d_v] (float32, float64, or bfloat16, updated in place); q, k_logits,
-    log_decay, q_shared, k_shared_logits [B, H, c]; v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip).
-    Returns o [B, H, d_v] in v's dtype (zeros for skipped rows), copied into `out` when given. The step is computed
-    in float32 at least (float64 for a float64 state); a bfloat16 state is rounded once, when it is written back,
-    as the Triton kernel does. With `decay_normalizer`, `log_decay` holds the decay logits x and the step uses
-    log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in vLLM).
-    With `shared_lora`, q_shared and k_shared_logits are the low-rank terms of the shared partition's q and key
+    """state [num_slots, H, N + shared, c, d_v] (float32, float64, bfloat16, or int16 with [c + 2, d_v] per state:
+    `states_to_cache`; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
+    v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype (zeros for
+    skipped rows), copied into `out` when given. The step is computed in float32 at least (float64 for a float64
+    state); a bfloat16 or int16 state is rounded once, when it is written back, as the Triton kernel does (the
+    output is computed from the unrounded update). With `decay_normalizer`, `log_decay` holds the decay logits x and
+    the step uses log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in
+    vLLM). With `shared_lora`, q_shared and k_shared_logits are the low-rank terms of the shared partition's q and key
     logits, which are q + q_shared and k_logits + k_shared_logits added in the inputs' dtype, as the models add
     them (the Triton kernel adds them itself: vLLM passes the up-projection's output as it is)."""
     if shared_lora and q_shared is not None:
@@ -32,7 +72,7 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     B, H, c = q.shape
     N = router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale
-    compute = torch.promote_types(state.dtype, torch.float32)
+    compute = torch.float32 if state.dtype == torch.int16 else torch.promote_types(state.dtype, torch.float32)
     o = torch.zeros(B, H, v.shape[-1], dtype=compute, device=state.device)
     live = slot_ids >= 0
     if not bool(live.all()):
@@ -60,8 +100,8 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
         q_rows.append(f(q_shared)[:, None]), k_rows.append(keys_s[:, None]), g_rows.append(decay_s[:, None])
     qq, kk, gg = torch.cat(q_rows, 1), torch.cat(k_rows, 1), torch.cat(g_rows, 1)   # [B, P_sel, H, c]
     slots = slot_ids[:, None].expand_as(parts)
-    S = f(state[slots, :, parts])                                   # [B, P_sel, H, c, d_v]
+    S = f(states_from_cache(state[slots, :, parts]))                # [B, P_sel, H, c, d_v]
     S = gg.exp()[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
-    state[slots, :, parts] = S.to(state.dtype)
+    state[slots, :, parts] = states_to_cache(S, state.dtype)
     o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
     return o.to(v.dtype)

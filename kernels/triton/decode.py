@@ -15,16 +15,30 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.sse import decode as twin
 from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, top1
+
+FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
+ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
 
 
 @triton.jit
-def _update(state_ptr, tile, mask, decay, key, v, q):
+def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, FIXED: tl.constexpr):
     """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
-    registers whatever the cache's dtype; a bfloat16 cache rounds it once, on the store."""
-    S = tl.load(state_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+    registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store (int16: fixed point
+    with one float32 scale per column at `scale_ptr`, kernels/sse/decode.py; the arithmetic of `states_to_cache`)."""
+    S = tl.load(state_ptr + tile, mask=mask, other=0).to(tl.float32)
+    if FIXED:
+        S *= tl.load(scale_ptr, mask=scale_mask, other=0.0)
     S = decay * S + key * v
-    tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
+    if FIXED:
+        top = tl.max(tl.where(mask, tl.abs(S), 0.0), 0)[None, :]
+        x = S * (FIXED_MAX / tl.where(top > ZERO_BELOW, top, 1.0))
+        x = tl.minimum(tl.maximum(tl.where(x >= 0, x + 0.5, x - 0.5), -FIXED_MAX), FIXED_MAX)
+        tl.store(state_ptr + tile, x.to(tl.int16), mask=mask)  # the cast truncates: x rounded half away from 0
+        tl.store(scale_ptr, top / FIXED_MAX, mask=scale_mask)
+    else:
+        tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
     return tl.sum(q * S, 0)[None, :]
 
 
@@ -33,7 +47,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
                    decay_normalizer, H, C, V, N, stride_slot, stride_head, stride_part, stride_row, stride_col,
                    row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
                    SHARED: tl.constexpr, SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr,
-                   DECAY_LOGITS: tl.constexpr, BLOCK_C: tl.constexpr,
+                   DECAY_LOGITS: tl.constexpr, FIXED: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
     # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
@@ -66,13 +80,17 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     tile = r * stride_row + d * stride_col             # [BLOCK_C, BLOCK_V] offsets inside one state
     mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
     base = state_ptr + slot * stride_slot + h * stride_head
+    # int16 caches: the column scales' float32s follow a state's C rows (contiguous rows, checked on the host)
+    scales = (base + C * stride_row).to(tl.pointer_type(tl.float32)) + d
+    scale_mask = d < tl.where(live, V, 0)
     decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
     acc = tl.zeros([1, BLOCK_V], tl.float32)
     for _ in tl.static_range(K):
         p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
         w_p = tl.sum(tl.where(n == p, w, 0.0))
         p = tl.sum(p)                                  # scalar partition index
-        acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q))
+        acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
+                             scales + p * stride_part // 2, scale_mask, FIXED)
     if SHARED:
         z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
         q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
@@ -82,7 +100,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
         acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
-                       tl.trans(q_s.to(tl.float32)))
+                       tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, FIXED)
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -106,7 +124,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                       shared_lora=False, block_v=None, num_warps=4):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
-    bfloat16 (any strides, updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
+    bfloat16, or int16 [num_slots, H, N + shared, c + 2, d_v] (fixed point, `states_to_cache`) (any strides, a
+    state's rows contiguous for int16; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
@@ -117,11 +136,16 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
-    if state.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the decode state cache must be float32 or bfloat16, got {state.dtype}")
-    if state.shape[1:] != (H, N + shared, C, V):
-        raise ValueError(f"state must be [num_slots, H, N + shared, c, d_v] = [*, {H}, {N + shared}, {C}, {V}], "
-                         f"got {tuple(state.shape)}")
+    if state.dtype not in (torch.float32, torch.bfloat16, torch.int16):
+        raise ValueError(f"the decode state cache must be float32, bfloat16 or int16, got {state.dtype}")
+    rows = twin.cache_rows(C, state.dtype)
+    if state.shape[1:] != (H, N + shared, rows, V):
+        raise ValueError(f"state must be [num_slots, H, N + shared, {'c + 2' if rows > C else 'c'}, d_v] = "
+                         f"[*, {H}, {N + shared}, {rows}, {V}], got {tuple(state.shape)}")
+    fixed = state.dtype == torch.int16
+    if fixed and (state.stride(-1) != 1 or state.stride(-2) != V or any(st % 2 for st in state.stride()[:-1])):
+        raise ValueError(f"an int16 state cache needs each state's rows contiguous (and even strides: its scales are "
+                         f"float32s), got strides {state.stride()}")
     scale = C**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
@@ -139,6 +163,6 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
         _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
             *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
-            row_topk or 0, decay_normalizer is not None, block_c, block_v, pow2(N),
+            row_topk or 0, decay_normalizer is not None, fixed, block_c, block_v, pow2(N),
             num_warps=num_warps)
     return out
