@@ -31,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--enforce-eager", action="store_true", help="no compilation or CUDA graphs (starts faster)")
     engine.add_argument("--state-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="SSE state storage (vLLM's mamba_ssm_cache_dtype): auto is float32; bfloat16 decodes "
-                             "faster and drifts over long generations")
+                        help="SSE state storage (vLLM's mamba_ssm_cache_dtype): auto is int16 fixed point for a "
+                             "16-bit engine, float32 otherwise; bfloat16 drifts over long generations")
     return p
 
 

@@ -307,7 +307,8 @@ def build_llm(model: str, *, seed: int = 0, dtype: str = "auto", max_model_len: 
               state_dtype: str = "auto"):
     """A vLLM engine for a checkpoint directory (or Hub id). On the CPU build, gpu_memory_utilization is a
     fraction of RAM; VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size instead. `state_dtype`: how an SSE
-    model's states are stored (vLLM's mamba_ssm_cache_dtype; "auto" is float32)."""
+    model's states are stored (vLLM's mamba_ssm_cache_dtype; "auto" is int16 fixed point for a 16-bit engine,
+    float32 for a float32 one)."""
     from vllm import LLM
 
     return LLM(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,

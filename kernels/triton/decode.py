@@ -31,15 +31,16 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, FIXE
     if FIXED:
         S *= tl.load(scale_ptr, mask=scale_mask, other=0.0)
     S = decay * S + key * v
-    if FIXED:
-        top = tl.max(tl.where(mask, tl.abs(S), 0.0), 0)[None, :]
-        x = S * (FIXED_MAX / tl.where(top > ZERO_BELOW, top, 1.0))
-        x = tl.minimum(tl.maximum(tl.where(x >= 0, x + 0.5, x - 0.5), -FIXED_MAX), FIXED_MAX)
-        tl.store(state_ptr + tile, x.to(tl.int16), mask=mask)  # the cast truncates: x rounded half away from 0
+    out = tl.sum(q * S, 0)[None, :]
+    if FIXED:  # S is rounded in place, after its last other use: two float32 tiles would not fit in registers
+        top = tl.max(tl.abs(S), 0)[None, :]  # rows past C are 0 (no key, nothing loaded)
+        S *= FIXED_MAX / tl.where(top > ZERO_BELOW, top, 1.0)
+        S = tl.minimum(tl.maximum(tl.where(S >= 0, S + 0.5, S - 0.5), -FIXED_MAX), FIXED_MAX)
+        tl.store(state_ptr + tile, S.to(tl.int16), mask=mask)  # the cast truncates: rounded half away from 0
         tl.store(scale_ptr, top / FIXED_MAX, mask=scale_mask)
     else:
         tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
-    return tl.sum(q * S, 0)[None, :]
+    return out
 
 
 @triton.jit
@@ -156,7 +157,9 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
     block_c = pow2(C)
-    block_v = block_v or min(pow2(V), max(16, 32768 // (block_c * state.element_size())))
+    # An int16 tile is held in float32 until its columns' largest values are known: half as many columns keep it
+    # in registers.
+    block_v = block_v or min(pow2(V), max(16, (16384 if fixed else 32768) // (block_c * state.element_size())))
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
