@@ -58,7 +58,13 @@ ENGINES = {
                             max_num_seqs=8, disable_log_stats=False),
     "gla": dict(COMMON, enforce_eager=True),
     "transformer": dict(COMMON, enforce_eager=True),
+    # bf16 engines of n4k1: vLLM's default states for them (int16 fixed point), and float32 ones. vLLM's CPU build
+    # makes every state float32 on CPUs with AVX-512 BF16 whatever "auto" says; the worker hides that feature for
+    # the first, as on a CPU without it (a GPU engine's case)
+    "n4k1_bf16": dict(COMMON, dtype="bfloat16", enforce_eager=True, hide_avx512_bf16=True),
+    "n4k1_bf16_f32_states": dict(COMMON, dtype="bfloat16", enforce_eager=True, mamba_ssm_cache_dtype="float32"),
 }
+CHECKPOINT_OF = {"n4k1_bf16": "n4k1", "n4k1_bf16_f32_states": "n4k1"}  # engines of another engine's checkpoint
 PROMPT_LENGTHS = (1, 5, 17, 40, 64, 121)
 NEW_TOKENS = 64
 TOL = 1e-4  # float32 logprobs: observed differences are ~1e-6
@@ -103,7 +109,14 @@ def _serve(read_fd: int, write_fd: int) -> None:
         return model_of(name).get_submodule(layer.states_name).layer_states(layer.state_row)
 
     def start(name, path, kwargs):
-        engines[name] = LLM(model=path, **kwargs)
+        kwargs = dict(kwargs)
+        has_avx512_bf16 = torch.cpu._is_avx512_bf16_supported
+        if kwargs.pop("hide_avx512_bf16", False):
+            torch.cpu._is_avx512_bf16_supported = lambda: False
+        try:
+            engines[name] = LLM(model=path, **kwargs)
+        finally:
+            torch.cpu._is_avx512_bf16_supported = has_avx512_bf16
         twins[name] = SSEForCausalLM.from_pretrained(path).eval()
         layers = sse_layers(name)
         if layers:  # record what each step's batch held, at the first SSE layer
@@ -124,7 +137,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
                                       use_tqdm=False)
         return [dict(num_cached_tokens=o.num_cached_tokens,
                      completions=[dict(token_ids=list(c.token_ids),
-                                       logprobs=[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)])
+                                       logprobs=[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)],
+                                       top=[{t: x.logprob for t, x in lp.items()} for lp in c.logprobs or []])
                                   for c in o.outputs]) for o in outs]
 
     def push(name, blob, probe):
@@ -177,6 +191,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
                     cache_groups=cache_groups,
+                    state_dtypes=lambda name: [str(state_of(name, layer).dtype) for layer in sse_layers(name)],
                     steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry,
                     servable=servable, parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -237,7 +252,7 @@ def make_checkpoint(root: Path, name: str) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_ckpts")
-    return {name: make_checkpoint(root, name) for name in ENGINES}
+    return {name: make_checkpoint(root, name) for name in ENGINES if name not in CHECKPOINT_OF}
 
 
 def free_port() -> int:
@@ -273,7 +288,7 @@ def worker(checkpoints, tmp_path_factory):
 
     def engine(name):
         if name not in started:
-            w("start", name, str(checkpoints[name]), ENGINES[name], timeout=600)
+            w("start", name, str(checkpoints[CHECKPOINT_OF.get(name, name)]), ENGINES[name], timeout=600)
             started.add(name)
         return name
     w.engine = engine
@@ -586,6 +601,31 @@ def test_seeded_sampling_is_the_same_however_the_prefill_is_split(worker, hf):
     crowded = worker("generate", name, [first, prompt, last], sampling)[1]["completions"][0]
     assert crowded["token_ids"] == alone["token_ids"]
     assert (torch.tensor(alone["logprobs"]) - hf_logprobs(hf[name], prompt, alone["token_ids"])).abs().max() < TOL
+
+
+def test_int16_states_of_a_bf16_engine_follow_float32_states(worker, hf):
+    """A bf16 engine's default states are int16 fixed point (on the GPU the parity module checks them against the
+    HF model): the same engine with float32 states gives the same greedy tokens, with logprobs within bf16's
+    rounding, up to where a near-tie goes the other way (a random tiny model has many: its logits differ by a few
+    hundredths). Wrong scales or rows would move logprobs by whole nats and never stop at a tie."""
+    int16, f32 = worker.engine("n4k1_bf16"), worker.engine("n4k1_bf16_f32_states")
+    assert set(worker("state_dtypes", int16)) == {"torch.int16"}
+    assert set(worker("state_dtypes", f32)) == {"torch.float32"}
+    prompts = prompts_for(hf["n4k1"].config.vocab_size)
+    agreed, diffs, gaps = 0, [], []
+    for ours, theirs in zip(*(worker("generate", engine, prompts, greedy(logprobs=5)) for engine in (int16, f32))):
+        a, b = ours["completions"][0], theirs["completions"][0]
+        same = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), NEW_TOKENS)
+        agreed += same
+        diffs.append((torch.tensor(a["logprobs"][:same]) - torch.tensor(b["logprobs"][:same])).abs())
+        if same < NEW_TOKENS:  # how far apart the float32-state engine put the two choices
+            top = b["top"][same]
+            gaps.append(top[b["token_ids"][same]] - top.get(a["token_ids"][same], float("-inf")))
+    diffs = torch.cat(diffs)
+    print(f"agreed {agreed} of {NEW_TOKENS * len(prompts)} tokens; |delta logprob| max {diffs.max():.1e}, "
+          f"mean {diffs.mean():.1e}; gaps at divergences {gaps}")
+    assert diffs.max() < 0.1 and diffs.mean() < 0.01 and all(gap < 0.1 for gap in gaps)  # here: 0.037, 0.0037,
+    # and gaps of 0-1/128
 
 
 def test_new_request_starts_from_zero_state(worker, hf):
