@@ -29,9 +29,8 @@ H, C, DV, N, K = 2, 128, 64, 4, 1
 
 
 def outputs(state_dtype, steps: int, gate_mean: float) -> torch.Tensor:
-    from kernels import sse_decode
+    from kernels import sse_decode, states_to_cache
     g = torch.Generator().manual_seed(0)
-    from kernels import states_to_cache
     state = states_to_cache(torch.zeros(1, H, N + 1, C, DV), state_dtype)
     slots, outs = torch.tensor([0]), []
 

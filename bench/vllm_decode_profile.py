@@ -51,10 +51,12 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import tempfile
+    from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
+    from sse_model.vllm_engine_config import state_dtype as sse_state_dtype
     from vllm_rollouts import COMMON, PROMPT_TOKENS, configs  # configs() imports sse_model: registers sse_hybrid
 
     path = Path(tempfile.mkdtemp()) / args.model
@@ -78,7 +80,8 @@ def main():
     short, long = run(32), run(288)
     step_ms = (long - short) / 256 * 1e3
     name = args.model + ("" if args.state_dtype == "auto" else f" ({args.state_dtype} states)")
-    state_dtype = torch.int16 if args.state_dtype == "auto" else getattr(torch, args.state_dtype)  # bf16 engine
+    cache = SimpleNamespace(mamba_ssm_cache_dtype=args.state_dtype, mamba_cache_dtype="auto")
+    state_dtype = sse_state_dtype(cache, torch.bfloat16) if sse else None  # what the bf16 engine stores
     lines = [decode_kernel_alone(args.batch, H=config.sse_num_heads, state_dtype=state_dtype)] \
         if sse and not args.wall_only else []
     lines += [f"{name} ({args.shape}), batch {args.batch}: decode step {step_ms:.2f} ms of wall time "

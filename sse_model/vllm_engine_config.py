@@ -51,7 +51,7 @@ def state_dtype(cache_config, model_dtype: torch.dtype) -> torch.dtype:
     return STATE_DTYPES[name]
 
 
-def state_bytes_per_sequence(config, tp_size: int, dtype: torch.dtype = torch.float32) -> int:
+def state_bytes_per_sequence(config, tp_size: int, dtype: torch.dtype) -> int:
     """SSE states of all SSE layers for one sequence on one tensor-parallel rank."""
     layers = sum(kind == SSE_LAYER for kind in config.layer_types)
     return dtype.itemsize * layers * (config.sse_num_heads // tp_size) * config.num_sse_partitions_with_shared \
