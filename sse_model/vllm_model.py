@@ -6,9 +6,9 @@ parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
 holds the states [layers, N + shared, H, c, d_v] (int16 fixed point for a 16-bit model, float32 for a float32 one,
-bfloat16 on request: `vllm_engine_config.state_dtype`; an int16 state has two more rows, its scales)
-of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request, exactly as
-for its linear-attention models (MiniMax, Bailing).
+bfloat16 on request: `vllm_engine_config.state_dtype`; an int16 state has four more rows, its column scales and
+maxima) of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request,
+exactly as for its linear-attention models (MiniMax, Bailing).
 The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
 prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
 """
@@ -144,7 +144,7 @@ def state_groups(config: SSEConfig) -> list[list[int]]:
 
 
 def sse_state_shape(config: SSEConfig, tp_size: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """One cache entry's state per request on one tensor-parallel rank: [layers, N + shared, H, c, d_v] (c + 2
+    """One cache entry's state per request on one tensor-parallel rank: [layers, N + shared, H, c, d_v] (c + 4
     rows for int16 states: `kernels.cache_rows`).
 
     Partition-major: a decode step touches two of a head's N + shared states (its routed and the shared one), and

@@ -145,14 +145,15 @@ def test_decode_steps_match_reference(shared, act_dtype, state_dtype, tol):
 
 
 def test_int16_states_round_trip():
-    """int16 states: each value within half a step (a part in 2 * 32,767 of its column's largest |value|) of the
-    float32 one; a zero column and one too small to scale are stored as zeros (scales included), so zeroing a slot's
-    bytes is a zero state."""
+    """int16 states written whole: each value within half a step (a part in 2 * 32,767 of its column's largest
+    |value|) of the float32 one, the column's largest |value| kept beside its scale (a decode step bounds its next
+    scale with it); a zero column and one too small to scale are stored as zeros (scales included), so zeroing a
+    slot's bytes is a zero state."""
     S = torch.randn(3, 2, 5, C, DV, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, DV)
     S[0, 0, 0] = 0.0
     S[0, 0, 1, :, 0] = 1e-35
     cached = states_to_cache(S, torch.int16)
-    assert cached.dtype == torch.int16 and cached.shape == (3, 2, 5, C + 2, DV)
+    assert cached.dtype == torch.int16 and cached.shape == (3, 2, 5, C + 4, DV)
     back = states_from_cache(cached)
     top = S.abs().amax(-2, keepdim=True)
     bound = torch.where(top > 1e-30, 0.51 * top / 32767, top)  # float32 rounding: 32,767 x 2^-24 of a step

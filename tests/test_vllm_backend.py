@@ -394,8 +394,8 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
     layers = [S] * 5 + [A]
     state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1, torch.int16)
-    assert state == 20 * 2 * 16 * 5 * (128 + 2) * 128  # int16 (a bf16 model's default), 20 SSE layers, 16 heads, 4
-    # partitions + shared, each state's 128 rows and its two rows of scales
+    assert state == 20 * 2 * 16 * 5 * (128 + 4) * 128  # int16 (a bf16 model's default), 20 SSE layers, 16 heads, 4
+    # partitions + shared, each state's 128 rows and four rows of column scales and maxima
 
     vllm_config = engine_config(layers * 4)
     hook.SSEEngineConfig.verify_and_update_config(vllm_config)
@@ -409,7 +409,7 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     blocks = engine_config(layers * 4, num_gpu_blocks_override=10)  # two blocks per sequence
     hook.SSEEngineConfig.verify_and_update_config(blocks)
     assert blocks.scheduler_config.max_num_seqs == 5
-    pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 2 * 16 * 5 * 130 * 128)  # one block each
+    pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 2 * 16 * 5 * 132 * 128)  # one block each
     hook.SSEEngineConfig.verify_and_update_config(pure)
     assert pure.scheduler_config.max_num_seqs == 100
     transformer = engine_config([A] * 4)  # no states: vLLM's own default stands
@@ -418,10 +418,10 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
 
     half = engine_config(layers * 4, mamba_ssm_cache_dtype="bfloat16")  # bfloat16 states: no scale rows
     hook.SSEEngineConfig.verify_and_update_config(half)
-    assert half.scheduler_config.max_num_seqs == int(budget) // (state * 128 // 130) // 2
+    assert half.scheduler_config.max_num_seqs == int(budget) // (state * 128 // 132) // 2
     f32 = engine_config(layers * 4, mamba_ssm_cache_dtype="float32")  # float32 states: about half the sequences
     hook.SSEEngineConfig.verify_and_update_config(f32)
-    assert f32.scheduler_config.max_num_seqs == int(budget) // (state * 2 * 128 // 130) // 2
+    assert f32.scheduler_config.max_num_seqs == int(budget) // (state * 2 * 128 // 132) // 2
 
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
     cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs

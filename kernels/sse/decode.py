@@ -4,20 +4,29 @@ Torch twin of the fused Triton decode kernel (same signature); it serves the CPU
 Only the K selected partitions and the shared one are read and written.
 
 A state cache holds float32, bfloat16 or int16 states. int16 is 16-bit fixed point: a state [c, d_v] is stored as
-[c + SCALE_ROWS, d_v], the values round(S / s) for one float32 scale s per column (s = max_c |S[c, d]| / FIXED_MAX,
-so every value fits) and then the d_v scales' bytes in the last two rows (so one tensor, copied and zeroed whole,
-holds a state; a zeroed state is zero). It moves half of float32's bytes, like bfloat16, but its error is set by
-the column's largest value rather than by each value's own exponent: an update as small as a part in 32,767 of the
-column's largest value still counts, where bfloat16 loses every update below half its value's last bit (a part in
-512), which is what a decay close to 1 asks for (bench/state_dtype_drift.py).
+[c + SCALE_ROWS, d_v], the values round(S / s) with one float32 scale s per column, then two float32 rows: the d_v
+scales, and each column's largest |S| when it was stored (so one tensor, copied and zeroed whole, holds a state; a
+zeroed state is zero). It moves half of float32's bytes, like bfloat16, but its error is set by the column's
+largest value rather than by each value's own exponent: an update as small as a part in 32,767 of that value still
+counts, where bfloat16 loses every update below half its value's last bit (a part in 512), which is what a decay
+close to 1 asks for (bench/state_dtype_drift.py).
+
+The scale: a whole state written at once (`states_to_cache`) gets s = its column's largest |S| / FIXED_MAX. A
+decode step gets s = bound / FIXED_MAX from a bound on the updated column known before the state is read:
+    |decay_c S[c, d] + key_c v_d| <= max_c decay_c * (largest |S[:, d]| stored) + max_c |key_c| * |v_d|
+so the kernel can round and store each value as soon as it is updated, instead of holding the whole updated tile
+until its columns' largest values are reduced (307 against 235 us a layer on an H200, kernels/NOTES.md). The bound
+is loose by the rounding of the stored values (clamped) and by how far the largest decay and key overstate the
+column's: over 4k steps the outputs drift 2.2e-4 / 5.4e-4 from float64 (typical / long-memory gates) against
+1.7e-4 / 4.8e-4 with exact scales.
 """
 import torch
 
 from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
 
-FIXED_MAX = 32767   # the largest int16 value a column's largest |S| is stored as
-SCALE_ROWS = 2      # one float32 scale per column = two int16 rows
-ZERO_BELOW = 1e-30  # a column whose largest |S| is below this is stored as zeros (its 1 / scale would overflow)
+FIXED_MAX = 32767   # the int16 value a column's bound (or largest |S|) is stored as
+SCALE_ROWS = 4      # two float32 per column (scale, largest |S|) = four int16 rows
+ZERO_BELOW = 1e-30  # a column whose bound is below this is stored as zeros (its 1 / scale would overflow)
 
 
 def cache_rows(c: int, dtype: torch.dtype) -> int:
@@ -25,32 +34,39 @@ def cache_rows(c: int, dtype: torch.dtype) -> int:
     return c + SCALE_ROWS if dtype == torch.int16 else c
 
 
+def _column_floats(cached: torch.Tensor, i: int) -> torch.Tensor:
+    """The i-th float32 row [..., 1, d_v] (0: scales, 1: largest |S|) of int16 cache rows [..., c + 4, d_v]."""
+    first = cached.shape[-2] - SCALE_ROWS + 2 * i
+    rows = cached[..., first:first + 2, :]
+    return rows.contiguous().view(torch.float32).reshape(*rows.shape[:-2], 1, -1)
+
+
 def states_from_cache(cached: torch.Tensor) -> torch.Tensor:
     """States [..., c, d_v] in float32 at least (float64 stays) from cache rows [..., cache_rows(c), d_v]."""
     if cached.dtype != torch.int16:
         return cached.to(torch.promote_types(cached.dtype, torch.float32))
-    values, scale_rows = cached[..., :-SCALE_ROWS, :], cached[..., -SCALE_ROWS:, :]
-    scales = scale_rows.contiguous().view(torch.float32).reshape(*scale_rows.shape[:-2], 1, -1)
-    return values.float() * scales
+    return cached[..., :-SCALE_ROWS, :].float() * _column_floats(cached, 0)
 
 
-def states_to_cache(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., cache_rows(c, dtype), d_v] of `dtype` holding states [..., c, d_v] (rounded once). The
-    Triton decode kernel stores int16 states with the same arithmetic."""
+def states_to_cache(states: torch.Tensor, dtype: torch.dtype, bound: torch.Tensor | None = None) -> torch.Tensor:
+    """Cache rows [..., cache_rows(c, dtype), d_v] of `dtype` holding states [..., c, d_v] (rounded once). int16
+    states are scaled by `bound` [..., 1, d_v] when given (a decode step's, see above; values past it are clamped),
+    else by each column's largest |S|. The Triton decode kernel stores them with the same arithmetic."""
     if dtype != torch.int16:
         return states.to(dtype)
     states = states.float()
     top = states.abs().amax(-2, keepdim=True)                                   # [..., 1, d_v]
-    x = states * (FIXED_MAX / torch.where(top > ZERO_BELOW, top, torch.ones_like(top)))
+    bound = top if bound is None else bound.float()
+    x = states * (FIXED_MAX / torch.where(bound > ZERO_BELOW, bound, torch.ones_like(bound)))
     values = (x.sign() * (x.abs() + 0.5).floor()).clamp(-FIXED_MAX, FIXED_MAX).to(torch.int16)
-    scale_rows = (top / FIXED_MAX).contiguous().view(torch.int16).reshape(*top.shape[:-2], SCALE_ROWS, -1)
-    return torch.cat([values, scale_rows], -2)
+    floats = torch.cat([bound / FIXED_MAX, top], -2).contiguous()             # [..., 2, d_v]
+    return torch.cat([values, floats.view(torch.int16).reshape(*top.shape[:-2], SCALE_ROWS, -1)], -2)
 
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                      shared_lora=False):
-    """state [num_slots, H, N + shared, c, d_v] (float32, float64, bfloat16, or int16 with [c + 2, d_v] per state:
+    """state [num_slots, H, N + shared, c, d_v] (float32, float64, bfloat16, or int16 with [c + 4, d_v] per state:
     `states_to_cache`; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype (zeros for
     skipped rows), copied into `out` when given. The step is computed in float32 at least (float64 for a float64
@@ -100,8 +116,14 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
         q_rows.append(f(q_shared)[:, None]), k_rows.append(keys_s[:, None]), g_rows.append(decay_s[:, None])
     qq, kk, gg = torch.cat(q_rows, 1), torch.cat(k_rows, 1), torch.cat(g_rows, 1)   # [B, P_sel, H, c]
     slots = slot_ids[:, None].expand_as(parts)
-    S = f(states_from_cache(state[slots, :, parts]))                # [B, P_sel, H, c, d_v]
-    S = gg.exp()[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
-    state[slots, :, parts] = states_to_cache(S, state.dtype)
+    cached = state[slots, :, parts]                                 # [B, P_sel, H, rows, d_v]
+    S = f(states_from_cache(cached))                                # [B, P_sel, H, c, d_v]
+    decay = gg.exp()
+    bound = None
+    if state.dtype == torch.int16:  # the decode step's scale bound (module docstring), as the kernel computes it
+        bound = (decay.amax(-1)[..., None, None] * _column_floats(cached, 1)
+                 + kk.abs().amax(-1)[..., None, None] * f(v)[:, None, :, None, :].abs())
+    S = decay[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
+    state[slots, :, parts] = states_to_cache(S, state.dtype, bound)
     o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
     return o.to(v.dtype)

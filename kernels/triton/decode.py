@@ -23,24 +23,28 @@ ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
 
 
 @triton.jit
-def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, FIXED: tl.constexpr):
+def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, FIXED: tl.constexpr):
     """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
-    registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store (int16: fixed point
-    with one float32 scale per column at `scale_ptr`, kernels/sse/decode.py; the arithmetic of `states_to_cache`)."""
+    registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store. int16: fixed point
+    with a float32 scale per column at `scale_ptr` and the column's largest |S| V floats after it
+    (kernels/sse/decode.py); the new scale comes from a bound known before the tile is read, so each value is
+    stored as soon as it is updated (the arithmetic of `sse_decode_torch`)."""
+    if FIXED:
+        scale = tl.load(scale_ptr, mask=scale_mask, other=0.0)
+        bound = tl.max(decay) * tl.load(scale_ptr + V, mask=scale_mask, other=0.0) + tl.max(tl.abs(key)) * tl.abs(v)
     S = tl.load(state_ptr + tile, mask=mask, other=0).to(tl.float32)
     if FIXED:
-        S *= tl.load(scale_ptr, mask=scale_mask, other=0.0)
+        S *= scale
     S = decay * S + key * v
-    out = tl.sum(q * S, 0)[None, :]
-    if FIXED:  # S is rounded in place, after its last other use: two float32 tiles would not fit in registers
-        top = tl.max(tl.abs(S), 0)[None, :]  # rows past C are 0 (no key, nothing loaded)
-        S *= FIXED_MAX / tl.where(top > ZERO_BELOW, top, 1.0)
-        S = tl.minimum(tl.maximum(tl.where(S >= 0, S + 0.5, S - 0.5), -FIXED_MAX), FIXED_MAX)
-        tl.store(state_ptr + tile, S.to(tl.int16), mask=mask)  # the cast truncates: rounded half away from 0
-        tl.store(scale_ptr, top / FIXED_MAX, mask=scale_mask)
+    if FIXED:
+        x = S * (FIXED_MAX / tl.where(bound > ZERO_BELOW, bound, 1.0))
+        x = tl.minimum(tl.maximum(tl.where(x >= 0, x + 0.5, x - 0.5), -FIXED_MAX), FIXED_MAX)
+        tl.store(state_ptr + tile, x.to(tl.int16), mask=mask)  # the cast truncates: rounded half away from 0
+        tl.store(scale_ptr, bound / FIXED_MAX, mask=scale_mask)
+        tl.store(scale_ptr + V, tl.max(tl.abs(S), 0)[None, :], mask=scale_mask)  # rows past C are 0
     else:
         tl.store(state_ptr + tile, S.to(state_ptr.dtype.element_ty), mask=mask)
-    return out
+    return tl.sum(q * S, 0)[None, :]
 
 
 @triton.jit
@@ -81,7 +85,8 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     tile = r * stride_row + d * stride_col             # [BLOCK_C, BLOCK_V] offsets inside one state
     mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
     base = state_ptr + slot * stride_slot + h * stride_head
-    # int16 caches: the column scales' float32s follow a state's C rows (contiguous rows, checked on the host)
+    # int16 caches: the column scales' float32s follow a state's C rows, then their largest |S| (contiguous rows,
+    # checked on the host)
     scales = (base + C * stride_row).to(tl.pointer_type(tl.float32)) + d
     scale_mask = d < tl.where(live, V, 0)
     decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
@@ -91,7 +96,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         w_p = tl.sum(tl.where(n == p, w, 0.0))
         p = tl.sum(p)                                  # scalar partition index
         acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
-                             scales + p * stride_part // 2, scale_mask, FIXED)
+                             scales + p * stride_part // 2, scale_mask, V, FIXED)
     if SHARED:
         z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
         q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
@@ -101,7 +106,8 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
         acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
-                       tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, FIXED)
+                       tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, V,
+                       FIXED)
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -123,9 +129,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
-                      shared_lora=False, block_v=None, num_warps=4):
+                      shared_lora=False, block_v=None, num_warps=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
-    bfloat16, or int16 [num_slots, H, N + shared, c + 2, d_v] (fixed point, `states_to_cache`) (any strides, a
+    bfloat16, or int16 [num_slots, H, N + shared, c + 4, d_v] (fixed point, `states_to_cache`) (any strides, a
     state's rows contiguous for int16; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype, written
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
@@ -141,7 +147,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
         raise ValueError(f"the decode state cache must be float32, bfloat16 or int16, got {state.dtype}")
     rows = twin.cache_rows(C, state.dtype)
     if state.shape[1:] != (H, N + shared, rows, V):
-        raise ValueError(f"state must be [num_slots, H, N + shared, {'c + 2' if rows > C else 'c'}, d_v] = "
+        raise ValueError(f"state must be [num_slots, H, N + shared, {'c + 4' if rows > C else 'c'}, d_v] = "
                          f"[*, {H}, {N + shared}, {rows}, {V}], got {tuple(state.shape)}")
     fixed = state.dtype == torch.int16
     if fixed and (state.stride(-1) != 1 or state.stride(-2) != V or any(st % 2 for st in state.stride()[:-1])):
@@ -157,9 +163,10 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
     block_c = pow2(C)
-    # An int16 tile is held in float32 until its columns' largest values are known: half as many columns keep it
-    # in registers.
+    # int16: a 16 KB tile and 2 warps were the fastest on an H200, 235 us against 261 with bfloat16's launch
+    # (bench/results/sse_decode_launch_20261128_bound.json).
     block_v = block_v or min(pow2(V), max(16, (16384 if fixed else 32768) // (block_c * state.element_size())))
+    num_warps = num_warps or (2 if fixed else 4)
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
