@@ -18,6 +18,8 @@ them to a bf16 model (int16 fixed point, sse_model/vllm_engine_config.py); `SSE-
 `--models SSE-H SSE-H-f32-states Qwen3`).
 With `--engine '{"enable_logging_iteration_details": true}'` the report also says, per timed generation, how many
 engine steps ran and how long the engine waited for their model outputs (`step_waits`): host-bound or stalled.
+That logging is host work on every step, so it moves host-bound ratios: on one H200 the 1.5B at 1k gave 0.84x
+logged and 0.71x without it (bench/results/sse_int16_states_20261128.md); take speed ratios from unlogged runs.
 
 The report is written again after each model, under one name per run, so a run cut short (a device call's time
 limit, a machine taken back) keeps the models that finished; `--add` joins them to a later run's.
