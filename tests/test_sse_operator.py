@@ -158,6 +158,8 @@ def test_int16_states_round_trip():
     top = S.abs().amax(-2, keepdim=True)
     bound = torch.where(top > 1e-30, 0.51 * top / 32767, top)  # float32 rounding: 32,767 x 2^-24 of a step
     assert bool(((back - S).abs() <= bound).all())
+    largest = cached[..., C + 2:, :].contiguous().view(torch.float32).reshape(top.shape)  # the last two rows
+    assert torch.equal(largest, top)
     assert torch.count_nonzero(cached[0, 0, 0]) == 0 and torch.count_nonzero(back[0, 0, 1, :, 0]) == 0
     assert torch.count_nonzero(states_from_cache(torch.zeros_like(cached))) == 0
 
