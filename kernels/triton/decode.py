@@ -28,7 +28,9 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
     registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store. int16: fixed point
     with a float32 scale per column at `scale_ptr` and the column's largest |S| V floats after it
     (kernels/sse/decode.py); the new scale comes from a bound known before the tile is read, so each value is
-    stored as soon as it is updated (the arithmetic of `sse_decode_torch`)."""
+    stored as soon as it is updated (the arithmetic of `sse_decode_torch`, except that the largest decay here also
+    counts the tile's padding rows past C, whose decay is 1: for c not a power of two the bound is looser than the
+    twin's, still a bound)."""
     if FIXED:
         scale = tl.load(scale_ptr, mask=scale_mask, other=0.0)
         bound = tl.max(decay) * tl.load(scale_ptr + V, mask=scale_mask, other=0.0) + tl.max(tl.abs(key)) * tl.abs(v)
