@@ -4,8 +4,8 @@ State dtype, from vLLM's own knob for recurrent states, `mamba_ssm_cache_dtype` 
 "auto", vLLM's default, lets each model choose (its Mamba2 models take the model's dtype, its KDA layers float32);
 an SSE model in bfloat16 or float16 takes int16 states, 16-bit fixed point with a float32 scale per state column
 (kernels/sse/decode.py), and a float32 model float32 states. The state bytes a decode step reads and writes are
-what bounds its speed: int16 moves half of float32's, and over 4k decode steps its SSE output stays within 2e-4 of
-a float64 cache's with typical gates and 5e-4 with long-memory ones (decay ~0.999), below the model's own bfloat16
+what bounds its speed: int16 moves half of float32's, and over 4k decode steps its SSE output stays within 3e-4 of
+a float64 cache's with typical gates and 6e-4 with long-memory ones (decay ~0.999), below the model's own bfloat16
 rounding (4e-3), where bfloat16 states are off by 0.5 % and 8-14 % (a row whose decay is close to 1 loses every
 update below half its last bit) and float32 by under 1e-6 (bench/state_dtype_drift.py). "float32" and "bfloat16"
 are what they say; float16 is refused (a long-memory row's sum can pass its range).
