@@ -155,7 +155,8 @@ def worker(args) -> None:
                              decode_tokens_per_s=decode_tps)
         print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
               f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
-    print("RESULT " + json.dumps(dict(start_s=start_s, speed=speed)), flush=True)
+    runner = "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+    print("RESULT " + json.dumps(dict(start_s=start_s, model_runner=runner, speed=speed)), flush=True)
 
 
 ITERATION = re.compile(r"iteration elapsed time: ([\d.]+) ms")
@@ -273,6 +274,8 @@ def write_report(results: dict, args) -> str:
     lines += [f"{name} from the earlier run {result['from_report']}." for name, result in results.items()
               if "from_report" in result] + [""]
     models = [m for m in MODELS if m in results and m != "Qwen3"] + ["Qwen3"]
+    lines += ["vLLM model runner: " + ", ".join(f"{m} {results[m].get('model_runner', 'not recorded')}"
+                                                for m in models if m in results) + ".", ""]
     lines += ["| measure | " + " | ".join(models) + " | " + " | ".join(f"{m} / Qwen3" for m in models[:-1]) + " |",
               "| --- |" + " ---: |" * (2 * len(models) - 1)]
 

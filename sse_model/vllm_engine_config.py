@@ -17,8 +17,17 @@ Its default `max_num_seqs` (1024 on an H100) suits models with small recurrent s
 is 4 * H * (N + 1) * c * d_v bytes per sequence (5 MiB at H = 16, N = 4, c = d_v = 128), so a 1B-class SSE-H on an
 80 GB GPU holds a few hundred sequences and, with the default, does not start. vLLM's own models with such limits
 lower the default in the same hook (`vllm.model_executor.models.config.MODELS_CONFIG_MAP`).
+
+Model runner.
+vLLM 0.25 runs a hybrid on its V1 GPU model runner unless `VLLM_USE_V2_MODEL_RUNNER` says otherwise; plain
+Transformers get the V2 runner, which prepares a step's inputs on the GPU. A 1.5B SSE-H decode step is host-bound
+(~7.4 ms of GPU work at batch 256 on an H200), and V2 took it from 12.3 to 10.3 ms of wall time on one H200
+(bench/results/vllm_v2_runner_20261128.md), so on a GPU the hook sets `VLLM_USE_V2_MODEL_RUNNER=1` when the user
+has not set it. vLLM reads it from the environment (this process and the engine processes it starts after this
+hook), so it holds for later engines of this process too; `VLLM_USE_V2_MODEL_RUNNER=0` keeps V1.
 """
 import logging
+import os
 
 import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
@@ -90,6 +99,9 @@ class SSEEngineConfig(VerifyAndUpdateConfig):
         from vllm.platforms import current_platform
         if not current_platform.is_cuda_alike():  # the CPU build runs no CUDA graphs and sizes its cache itself
             return
+        if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            logger.info("SSE-H: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 keeps V1)")
         fit = sequences_that_fit(vllm_config, current_platform.get_device_total_memory())
         scheduler = vllm_config.scheduler_config
         if fit is not None and scheduler.max_num_seqs > fit:

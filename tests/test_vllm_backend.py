@@ -392,6 +392,7 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     from sse_model import vllm_engine_config as hook
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # the hook sets it; undone after the test
     layers = [S] * 5 + [A]
     state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1, torch.int16)
     assert state == 20 * 2 * 16 * 5 * (128 + 4) * 128  # int16 (a bf16 model's default), 20 SSE layers, 16 heads, 4
@@ -427,6 +428,26 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs
     hook.SSEEngineConfig.verify_and_update_config(cpu)
     assert cpu.scheduler_config.max_num_seqs == 1024
+
+
+def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
+    """On a GPU the hook asks vLLM for its V2 model runner (GPU-side input preparation; vLLM 0.25 gives hybrids V1
+    unless told), unless the user chose a runner; the CPU build is left alone."""
+    from vllm.platforms import current_platform
+
+    from sse_model import vllm_engine_config as hook
+    monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
+    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
+    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
 @pytest.mark.parametrize("ssm, cache, model, dtype", [

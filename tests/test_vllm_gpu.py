@@ -11,6 +11,7 @@ HF model in bf16 on the same GPU, chunked Triton path. Measured values go to ben
 """
 import json
 import math
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -99,6 +100,7 @@ def engine(checkpoint):
     RESULTS["default_engine_start_s"] = time.perf_counter() - started
     vllm_config = llm.llm_engine.vllm_config
     RESULTS["cudagraph_mode"] = str(vllm_config.compilation_config.cudagraph_mode)
+    RESULTS["model_runner"] = "V2" if vllm_config.use_v2_model_runner else "V1"
     from sse_model.vllm_engine_config import state_dtype
     RESULTS["default_state_dtype"] = str(state_dtype(vllm_config.cache_config, vllm_config.model_config.dtype))
     yield llm
@@ -157,6 +159,7 @@ def save_results():
 
 def test_default_engine_starts_with_full_decode_graphs(engine):
     assert "FULL" in RESULTS["cudagraph_mode"], RESULTS["cudagraph_mode"]
+    assert RESULTS["model_runner"] == ("V1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "V2")
     save_results()
 
 
