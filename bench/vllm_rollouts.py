@@ -15,7 +15,8 @@ vLLM's own "maximum concurrency" at the longest length (how many such sequences 
 bytes per sequence (SSE state + attention KV) from the config. `SSE-H` stores its states as vLLM's default gives
 them to a bf16 model (int16 fixed point, sse_model/vllm_engine_config.py); `SSE-H-f32-states` and
 `SSE-H-bf16-states` are the same SSE-H with float32 and bfloat16 states (vLLM's `mamba_ssm_cache_dtype`;
-`--models SSE-H SSE-H-f32-states Qwen3`).
+`--models SSE-H SSE-H-f32-states Qwen3`), and `SSE-H-v1-runner` the default SSE-H on vLLM's V1 model runner
+(`VLLM_USE_V2_MODEL_RUNNER=0`; the plugin asks for V2 on a GPU). The report names each model's runner.
 With `--engine '{"enable_logging_iteration_details": true}'` the report also says, per timed generation, how many
 engine steps ran and how long the engine waited for their model outputs (`step_waits`): host-bound or stalled.
 That logging is host work on every step, so it moves host-bound ratios: on one H200 the 1.5B at 1k gave 0.84x
@@ -29,6 +30,7 @@ this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it severa
 """
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -57,7 +59,9 @@ PROMPT_TOKENS = 256
 # Per-model vllm.LLM settings on top of --engine.
 MODEL_ENGINE = {"SSE-H-f32-states": dict(mamba_ssm_cache_dtype="float32"),
                 "SSE-H-bf16-states": dict(mamba_ssm_cache_dtype="bfloat16")}
-MODELS = ["SSE-H", "SSE-H-f32-states", "SSE-H-bf16-states", "Qwen3"]
+# Per-model environment of the worker process: vLLM chooses its model runner from the environment only.
+MODEL_ENV = {"SSE-H-v1-runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+MODELS = ["SSE-H", "SSE-H-f32-states", "SSE-H-bf16-states", "SSE-H-v1-runner", "Qwen3"]
 
 
 def configs(shape: str = "small"):
@@ -67,7 +71,7 @@ def configs(shape: str = "small"):
     from sse_model.configuration_sse import default_layer_types
     dims = SHAPES[shape]
     sse_h = SSEConfig(**dims, **SSE, layer_types=default_layer_types(dims["num_hidden_layers"]))
-    return {"SSE-H": sse_h, "SSE-H-f32-states": sse_h, "SSE-H-bf16-states": sse_h,
+    return {"SSE-H": sse_h, "SSE-H-f32-states": sse_h, "SSE-H-bf16-states": sse_h, "SSE-H-v1-runner": sse_h,
             "Qwen3": Qwen3Config(**dims, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
@@ -183,7 +187,8 @@ def run_model(name, path, args, log: Path) -> dict:
            "--n", str(args.n), "--prompts", str(args.prompts), "--prompts-long", str(args.prompts_long),
            "--long-from", str(args.long_from), "--lengths", *map(str, args.lengths)]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True,
+                              env={**os.environ, **MODEL_ENV.get(name, {})})
     text = log.read_text()
     result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
     if proc.returncode or result is None:

@@ -66,3 +66,29 @@ def test_engine_steps_are_counted_between_the_timed_markers():
                      "TIMED 1024 begin", "x iteration elapsed time: 1.5 ms", "y iteration elapsed time: 0.5 ms",
                      "TIMED 1024 end", "iteration elapsed time: 7.0 ms"])
     assert vllm_rollouts.step_waits(log) == {"1024": dict(steps=2, waited_s=0.002, longest_ms=1.5)}
+
+
+def test_the_report_names_each_models_runner(tmp_path):
+    runs = {"SSE-H": dict(result(12_000.0), model_runner="V2"), "SSE-H-v1-runner": dict(result(11_000.0),
+                                                                                         model_runner="V1"),
+            "Qwen3": dict(result(20_000.0), model_runner="V2")}
+    markdown = vllm_rollouts.write_report(runs, run_args(tmp_path))
+    assert "vLLM model runner: SSE-H V2, SSE-H-v1-runner V1, Qwen3 V2." in markdown
+    assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["12,000", "11,000", "20,000", "0.60", "0.55"]
+
+
+def test_the_v1_arm_runs_its_worker_with_vllms_v1_runner(tmp_path, monkeypatch):
+    import subprocess
+    envs = {}
+
+    def fake_run(cmd, stdout, env, **kwargs):
+        envs[cmd[cmd.index("--name") + 1]] = env
+        stdout.write("RESULT " + json.dumps(result(10_000.0)) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(vllm_rollouts.subprocess, "run", fake_run)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    for name in ("SSE-H", "SSE-H-v1-runner"):
+        vllm_rollouts.run_model(name, tmp_path, run_args(tmp_path, timeout=60), tmp_path / f"{name}.log")
+    assert envs["SSE-H-v1-runner"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert envs["SSE-H"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
