@@ -1,13 +1,14 @@
 """The engine's host work per decode step, SSE-H against Qwen3, on whatever vLLM is installed (the CPU build too).
 
-    python bench/vllm_host_profile.py SSE-H|Qwen3 [--requests 128] [--steps 65] [--timers]
+    python bench/vllm_host_profile.py SSE-H|Qwen3 [--requests 128] [--steps 65] [--timers] [--no-prefix-caching]
 
 A 12-layer model of width 64 (SSE-H: one attention layer in six, so two KV-cache groups) decodes `--steps` tokens
 for `--requests` requests in an in-process engine under cProfile; prints the scheduler's and the model runner's
 cumulative time per step (the outermost call of each name). The model is tiny so that host work, not the model,
 is what differs (docs/vllm-backend.md, "Fewer kernels per SSE layer, and a host-bound step"). cProfile inflates
 small Python calls; `--timers` instead wraps the same calls of this engine in wall-clock timers (no profiler) and
-also prints the whole step.
+also prints the whole step. `--no-prefix-caching` runs the engine as vLLM 0.25 runs a hybrid on a GPU (the CPU
+build's default turns prefix caching on for hybrids too, with its Mamba "align" bookkeeping).
 """
 import argparse
 import cProfile
@@ -31,6 +32,7 @@ def main():
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--steps", type=int, default=65)
     p.add_argument("--timers", action="store_true", help="wall-clock timers around the calls instead of cProfile")
+    p.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -48,7 +50,8 @@ def main():
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0,
-              max_num_seqs=args.requests, gpu_memory_utilization=0.1)
+              max_num_seqs=args.requests, gpu_memory_utilization=0.1,
+              **(dict(enable_prefix_caching=False) if args.no_prefix_caching else {}))
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (32,)).tolist()} for _ in range(args.requests)]
 
     def run(steps):

@@ -59,6 +59,7 @@ import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm_engine_config import state_dtype
+from sse_model.vllm_state_cache import SSEStatesSpec
 
 # Prefills run in groups of sequences whose float32 states (gathered initial states, their copy in the GLA's layout,
 # final states, and the cast back to the cache dtype: PREFILL_STATE_COPIES of them) take at most
@@ -290,6 +291,9 @@ class SSEStates(nn.Module, MambaBase):
 
     def get_attn_backend(self) -> type[SSEStateBackend]:
         return SSEStateBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> SSEStatesSpec:
+        return SSEStatesSpec.of(super().get_kv_cache_spec(vllm_config))  # for the scheduler's SSEStatesManager
 
     def layer_states(self, row: int) -> torch.Tensor:
         """The states of the group's row-th layer as the kernels take them: a strided [slots, H, N + shared, c, d_v]

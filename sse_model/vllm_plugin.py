@@ -14,6 +14,7 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.platforms import current_platform
 
+    from sse_model import vllm_state_cache
     from sse_model.configuration_sse import SSEConfig
     from sse_model.vllm_engine_config import SSEEngineConfig
 
@@ -27,6 +28,7 @@ def register() -> None:
 
         ModelRegistry.register_model("SSEForCausalLM", SSEForCausalLM)
     MODELS_CONFIG_MAP.setdefault("SSEForCausalLM", SSEEngineConfig)  # engine defaults for SSE states
+    vllm_state_cache.register()  # the scheduler's manager of the SSE states' cache group
     if current_platform.is_cpu():
         rewind_seeded_generators_on_cpu()
     if importlib.util.find_spec("flashinfer") is None:

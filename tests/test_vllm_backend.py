@@ -53,9 +53,10 @@ COMMON = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=
 ENGINES = {
     # the production path: torch.compile (the SSE layer is an opaque custom op), prefix caching, default scheduler
     "n4k1": dict(COMMON, max_model_len=1024),
-    # chunked prefill in 16-token steps next to decodes; a cache so small that long generations get preempted
+    # chunked prefill in 16-token steps next to decodes; a cache so small that long generations get preempted;
+    # prefix caching off, as vLLM 0.25 runs hybrids on a GPU (the CPU build turns it on)
     "n8k2_row_sparse": dict(COMMON, enforce_eager=True, max_num_batched_tokens=16, kv_cache_memory_bytes=1_500_000,
-                            max_num_seqs=8, disable_log_stats=False),
+                            max_num_seqs=8, disable_log_stats=False, enable_prefix_caching=False),
     "gla": dict(COMMON, enforce_eager=True),
     "transformer": dict(COMMON, enforce_eager=True),
     # bf16 engines of n4k1: vLLM's default states for them (int16 fixed point), and float32 ones. vLLM's CPU build
@@ -189,8 +190,44 @@ def _serve(read_fd: int, write_fd: int) -> None:
         runner = engines[name].llm_engine.model_executor.driver_worker.model_runner
         return [sorted(group.layer_names) for group in runner.kv_cache_config.kv_cache_groups]
 
+    def managers(name):
+        return engines[name].llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator \
+            .single_type_managers
+
+    checks = {}
+
+    def check_states_manager(name):
+        """From now on, every call the engine's SSEStatesManager answers by its fast path is also put to vLLM's
+        MambaManager, which must give the same answer and change nothing; returns the manager classes and modes."""
+        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+        from sse_model.vllm_state_cache import SSEStatesManager
+        counts = checks.setdefault(name, dict(fast=0, disagreed=0))
+        for m in managers(name):
+            if not isinstance(m, SSEStatesManager):
+                continue
+
+            def checked(method, m=m):
+                ours, theirs = getattr(SSEStatesManager, method), getattr(MambaManager, method)
+                hits = method == "get_num_blocks_to_allocate"  # its third argument: prefix-cache hits
+
+                def call(request_id, tokens, *args, **kwargs):
+                    if not m._holds_its_block(request_id, tokens) or (hits and args[0]):
+                        return ours(m, request_id, tokens, *args, **kwargs)
+                    counts["fast"] += 1
+                    blocks = list(m.req_to_blocks[request_id])
+                    answer = ours(m, request_id, tokens, *args, **kwargs)
+                    counts["disagreed"] += (theirs(m, request_id, tokens, *args, **kwargs) != answer
+                                            or m.req_to_blocks[request_id] != blocks)
+                    return answer
+                return call
+            for method in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks"):
+                setattr(m, method, checked(method))
+        return [(type(m).__name__, getattr(m, "mamba_cache_mode", None)) for m in managers(name)]
+
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
-                    cache_groups=cache_groups,
+                    cache_groups=cache_groups, check_states_manager=check_states_manager,
+                    states_manager_checks=lambda name: checks[name],
                     state_dtypes=lambda name: [str(state_of(name, layer).dtype) for layer in sse_layers(name)],
                     steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry,
                     servable=servable, parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
@@ -383,6 +420,13 @@ def engine_config(layer_types, max_num_seqs=1024, **cache):
                            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
+def no_runner_choice(monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER unset for the test and as it was after it, whatever the hook under test sets (a
+    plain delenv of an unset variable records nothing to undo)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+
+
 def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(monkeypatch):
     """vLLM refuses to start a hybrid whose max_num_seqs exceeds its state slots (full decode CUDA graphs); at its
     H100 default of 1024 a 1B-class SSE-H did not start (bench/results/vllm_rollouts_1b_*). The hook lowers it to
@@ -392,7 +436,7 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     from sse_model import vllm_engine_config as hook
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # the hook sets it; undone after the test
+    no_runner_choice(monkeypatch)
     layers = [S] * 5 + [A]
     state = hook.state_bytes_per_sequence(engine_config(layers * 4).model_config.hf_config, 1, torch.int16)
     assert state == 20 * 2 * 16 * 5 * (128 + 4) * 128  # int16 (a bf16 model's default), 20 SSE layers, 16 heads, 4
@@ -437,7 +481,7 @@ def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
 
     from sse_model import vllm_engine_config as hook
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    no_runner_choice(monkeypatch)
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
     hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
@@ -588,12 +632,18 @@ def test_big_prefill_batches_run_in_groups_of_sequences(greedy_runs, worker, nam
 
 
 def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
-    """Generations longer than the tiny cache allows: requests are preempted and recomputed, their slots reused."""
+    """Generations longer than the tiny cache allows: requests are preempted and recomputed, their slots reused.
+    The engine runs with prefix caching off, as vLLM runs a hybrid on a GPU, so the scheduler's SSEStatesManager
+    answers running requests by its fast path: each of those answers is checked against vLLM's MambaManager."""
     name = worker.engine("n8k2_row_sparse")
+    managers = worker("check_states_manager", name)
+    assert sorted(managers) == [("FullAttentionManager", None), ("SSEStatesManager", "none")], managers
     prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
     ours = worker("generate", name, prompts, greedy(max_tokens=380))
     assert worker("preemptions", name) > 0
     assert_matches_hf_greedy(ours, hf[name], prompts, 380)
+    checks = worker("states_manager_checks", name)
+    assert checks["fast"] > 1000 and checks["disagreed"] == 0, checks
 
 
 def test_sampling_n8_requests_never_share_state(worker, hf):

@@ -1,0 +1,67 @@
+"""The SSE states' cache group in vLLM's scheduler: vLLM's own Mamba bookkeeping, minus its per-step work for a
+request that already holds its state block.
+
+vLLM's scheduler asks every cache group's manager, for every running request on every step, whether the request
+needs blocks (`get_num_blocks_to_allocate`), to allocate them (`allocate_new_blocks`) and to free those it no longer
+needs (`remove_skipped_blocks`). A running request of a Transformer gets an answer at once when prefix caching is on
+(`SingleTypeKVCacheManager.get_num_blocks_to_allocate`'s fast path, for requests whose blocks prefix caching has
+recorded); vLLM leaves prefix caching off for hybrids, so both of a hybrid's groups take the long path, and at 256
+sequences of a 1.5B SSE-H that made the scheduler's `allocate_slots` 2.4x Qwen3's
+(bench/results/vllm_v2_runner_20261128.md).
+
+With prefix caching off (mamba_cache_mode "none") and no speculative decoding, vLLM gives a request one state block,
+max_model_len tokens long, for its whole life: once the request holds it, the three answers are "no block", "no new
+block" and "nothing to free", and `SSEStatesManager` gives them without the long path. Everything else (the first
+allocation, prefix caching's "align" and "all" modes, speculative blocks) is vLLM's MambaManager unchanged.
+
+The manager comes with the cache spec the SSE layers declare (`SSEStatesSpec`, a MambaSpec grouped with vLLM's
+own); `register` enters the pair in vLLM's `KVCacheSpecRegistry` in every process vLLM loads the plugin in.
+"""
+from dataclasses import dataclass, fields
+
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+
+@dataclass(frozen=True)
+class SSEStatesSpec(MambaSpec):
+    """vLLM's MambaSpec for the SSE states, under its own type so that vLLM builds `SSEStatesManager` for it."""
+
+    @classmethod
+    def of(cls, spec: MambaSpec) -> "SSEStatesSpec":
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init})
+
+
+class SSEStatesManager(MambaManager):
+    """vLLM's MambaManager; a running request that holds its one state block is answered without its long path.
+
+    Only the leading arguments every supported vLLM passes are read; the rest go to MambaManager as they came."""
+
+    def _holds_its_block(self, request_id: str, num_tokens: int) -> bool:
+        return (self.mamba_cache_mode == "none" and not self.num_speculative_blocks
+                and num_tokens <= self.block_size and bool(self.req_to_blocks.get(request_id)))
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs) -> int:
+        if not new_computed_blocks and self._holds_its_block(request_id, num_tokens):
+            return 0
+        return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
+        if self._holds_its_block(request_id, num_tokens):
+            return []
+        return super().allocate_new_blocks(request_id, num_tokens, *args, **kwargs)
+
+    def remove_skipped_blocks(self, request_id, num_computed_tokens, *args, **kwargs) -> None:
+        # The block holds the state after the last computed token: nothing in it is ever skipped.
+        if self._holds_its_block(request_id, num_computed_tokens):
+            return
+        super().remove_skipped_blocks(request_id, num_computed_tokens, *args, **kwargs)
+
+
+def register() -> None:
+    """Enter `SSEStatesSpec` and its manager in vLLM's registry (idempotent). vLLM registers its built-in specs
+    only into an empty registry, the first time it looks one up; an entry made before that would keep them out,
+    so they go in first."""
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(SSEStatesSpec, SSEStatesManager, uniform_type_base_spec=MambaSpec)
