@@ -1,5 +1,5 @@
-"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x tiles per program x warps, for float32,
-bfloat16 and int16 (fixed point) state caches; and the GPU's own streaming bandwidth at several sizes.
+"""The SSE decode kernel's launch, swept: state tile width (BLOCK_V) x warps, for float32, bfloat16 and int16
+(fixed point) state caches; and the GPU's own streaming bandwidth at several sizes.
 
     python bench/sse_decode_launch.py [--batch 256] [--heads 16] [--dtypes float32 bfloat16 int16] [--no-stream]
                                       [--out bench/results]
@@ -59,14 +59,12 @@ def state_bytes(state, batch) -> int:
     return 2 * batch * H * 2 * c * dv * state.element_size()
 
 
-def time_launch(batch, H, N, c, dv, dtype, block_v, warps, column_blocks=1) -> tuple[float, float]:
-    """(us per layer, GB/s of state traffic) of the decode kernel launched with BLOCK_V, column blocks per program
-    (which route the token once for all of them) and warps."""
+def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float]:
+    """(us per layer, GB/s of state traffic) of the decode kernel launched with BLOCK_V and warps."""
     from kernels.triton import sse_decode_triton
     state, slots, x = decode_case(batch, H, N, c, dv, dtype)
     out = torch.empty(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    ms = replay_ms(lambda: sse_decode_triton(state, slots, **x, top_k=1, out=out, block_v=block_v, num_warps=warps,
-                                             column_blocks=column_blocks))
+    ms = replay_ms(lambda: sse_decode_triton(state, slots, **x, top_k=1, out=out, block_v=block_v, num_warps=warps))
     return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 
@@ -109,15 +107,11 @@ def main():
             print(f"{rows[-1]['dtype']:9s} in-place scale of the same bytes: {rows[-1]['us']:6.1f} us "
                   f"{rows[-1]['gbs']:6.0f} GB/s", flush=True)
         for block_v in (16, 32, 64, 128):
-            for blocks in (1, 2, 4):
-                if block_v * blocks > 128:
-                    continue
-                for warps in (2, 4, 8):
-                    us, gbs = time_launch(args.batch, args.heads, 4, 128, 128, dtype, block_v, warps, blocks)
-                    rows.append(dict(dtype=str(dtype).split(".")[1], block_v=block_v, column_blocks=blocks,
-                                     warps=warps, us=us, gbs=gbs))
-                    print(f"{rows[-1]['dtype']:9s} BLOCK_V {block_v:3d} x {blocks} per program, warps {warps}: "
-                          f"{us:7.1f} us {gbs:6.0f} GB/s", flush=True)
+            for warps in (2, 4, 8):
+                us, gbs = time_launch(args.batch, args.heads, 4, 128, 128, dtype, block_v, warps)
+                rows.append(dict(dtype=str(dtype).split(".")[1], block_v=block_v, warps=warps, us=us, gbs=gbs))
+                print(f"{rows[-1]['dtype']:9s} BLOCK_V {block_v:3d} warps {warps}: {us:7.1f} us {gbs:6.0f} GB/s",
+                      flush=True)
     bandwidth = [] if args.no_stream else stream_rows()
     now = datetime.now(timezone.utc)
     args.out.mkdir(parents=True, exist_ok=True)

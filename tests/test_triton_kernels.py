@@ -521,28 +521,6 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     assert torch.equal(cache[untouched], before[untouched]), "slots outside the batch changed"
 
 
-@pytest.mark.parametrize("state_dtype", [F32, INT16], ids=["f32-state", "int16-state"])
-def test_decode_launches_give_identical_results(device, state_dtype):
-    """The launch overrides bench/sse_decode_launch.py sweeps (columns per block, blocks per program, warps) change
-    which program updates which columns, never the arithmetic of a column: outputs and states are bit-identical,
-    also where the last program's blocks run past d_v (masked)."""
-    from kernels import states_to_cache
-    from kernels.triton import sse_decode_triton
-    H, c = SHAPES[device]["H"], SHAPES[device]["c"]
-    dv, N, K = 48, 4, 1  # 48 columns: blocks of 16 in programs of 1, 2 or 3 blocks, and blocks of 32 (one masked)
-    slots = torch.tensor([3, -1, 0, 6], device=device)
-    inputs = exact_in_bf16_inputs(len(slots), H, c, dv, N, 1, device)
-    step = {n: x[0] for n, x in inputs.items() if n != "initial_state"}
-    cache = states_to_cache(torch.randn(8, H, N + 1, c, dv, device=device), state_dtype)
-    results = []
-    for launch in (dict(), dict(block_v=16), dict(block_v=16, column_blocks=2), dict(block_v=16, column_blocks=3),
-                   dict(block_v=32, column_blocks=2, num_warps=2)):
-        state = cache.clone()
-        results.append((launch, sse_decode_triton(state, slots, **step, top_k=K, **launch), state))
-    for launch, o, state in results[1:]:
-        assert torch.equal(o, results[0][1]) and torch.equal(state, results[0][2]), launch
-
-
 @pytest.mark.parametrize("shared_lora", [False, True], ids=["shared-given", "shared-lora"])
 @pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])

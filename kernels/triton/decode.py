@@ -55,19 +55,19 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
                    row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
                    SHARED: tl.constexpr, SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr,
                    DECAY_LOGITS: tl.constexpr, FIXED: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_V: tl.constexpr, COLUMN_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
     # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
     # faster with bfloat16 caches at batch 256-1024, 1-2 % with float32;
-    # bench/results/sse_decode_grid_order_20261127.md). A program updates COLUMN_BLOCKS blocks of BLOCK_V columns
-    # one after the other, routing the token and making its routed keys and decays once for all of them.
+    # bench/results/sse_decode_grid_order_20261127.md).
     pid = tl.program_id(0)
-    programs_v = tl.cdiv(V, BLOCK_V * COLUMN_BLOCKS)
-    b = (pid // (programs_v * H)).to(tl.int64)
-    h = pid // programs_v % H
+    blocks_v = tl.cdiv(V, BLOCK_V)
+    b = (pid // (blocks_v * H)).to(tl.int64)
+    h = pid // blocks_v % H
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = slot >= 0
     c = tl.arange(0, BLOCK_C)[None, :]
+    d = pid % blocks_v * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     n = tl.arange(0, BLOCK_N)[None, :]
     hc = h * C + c                                     # within a token's row: heads, then c (or d_v) contiguous
     # Token vectors are loaded as rows [1, C] for the softmax helpers and transposed into columns [C, 1] to
@@ -78,42 +78,40 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     if DECAY_LOGITS:
         g = logsigmoid(g) / decay_normalizer
     q = tl.load(q_ptr + b * row_q + hc, mask=c < C, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
     logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)
     w = router_softmax(logits, n, N)
-    decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
+    scores = tl.where(n < N, logits, float("-inf"))
 
     r = tl.arange(0, BLOCK_C)[:, None]                 # state rows
+    tile = r * stride_row + d * stride_col             # [BLOCK_C, BLOCK_V] offsets inside one state
+    mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
     base = state_ptr + slot * stride_slot + h * stride_head
-    for j in tl.static_range(COLUMN_BLOCKS):
-        d = (pid % programs_v * COLUMN_BLOCKS + j) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-        v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
-        tile = r * stride_row + d * stride_col         # [BLOCK_C, BLOCK_V] offsets inside one state
-        mask = (r < tl.where(live, C, 0)) & (d < V)   # a skipped row (slot -1) loads and stores nothing
-        # int16 caches: the column scales' float32s follow a state's C rows, then their largest |S| (contiguous
-        # rows, checked on the host)
-        scales = (base + C * stride_row).to(tl.pointer_type(tl.float32)) + d
-        scale_mask = d < tl.where(live, V, 0)
-        scores = tl.where(n < N, logits, float("-inf"))
-        acc = tl.zeros([1, BLOCK_V], tl.float32)
-        for _ in tl.static_range(K):
-            p, scores = top1(scores, n, BLOCK_N)       # [1, 1]
-            w_p = tl.sum(tl.where(n == p, w, 0.0))
-            p = tl.sum(p)                              # scalar partition index
-            acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
-                                 scales + p * stride_part // 2, scale_mask, V, FIXED)
-        if SHARED:  # its keys made here, after the routed updates, so they are not held through them
-            z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
-            q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
-            if SHARED_LORA:  # the low-rank terms, added to the routed q and key logits in the inputs' dtype
-                z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
-                q_s = (q + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
-            keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
-            decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
-            acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
-                           tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, V,
-                           FIXED)
-        o = tl.where(live, scale * acc, 0.0)
-        tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
+    # int16 caches: the column scales' float32s follow a state's C rows, then their largest |S| (contiguous rows,
+    # checked on the host)
+    scales = (base + C * stride_row).to(tl.pointer_type(tl.float32)) + d
+    scale_mask = d < tl.where(live, V, 0)
+    decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
+    acc = tl.zeros([1, BLOCK_V], tl.float32)
+    for _ in tl.static_range(K):
+        p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
+        w_p = tl.sum(tl.where(n == p, w, 0.0))
+        p = tl.sum(p)                                  # scalar partition index
+        acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
+                             scales + p * stride_part // 2, scale_mask, V, FIXED)
+    if SHARED:
+        z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
+        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
+        if SHARED_LORA:  # the low-rank terms, added to the routed q and key logits in the inputs' dtype
+            z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
+            q_s = (q + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+        decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
+        acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
+                       tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, V,
+                       FIXED)
+    o = tl.where(live, scale * acc, 0.0)
+    tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
 
 def _tokens_contiguous(x: torch.Tensor) -> bool:
@@ -133,7 +131,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
-                      shared_lora=False, block_v=None, num_warps=None, column_blocks=1):
+                      shared_lora=False, block_v=None, num_warps=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
     bfloat16, or int16 [num_slots, H, N + shared, c + 4, d_v] (fixed point, `states_to_cache`) (any strides, a
     state's rows contiguous for int16; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
@@ -142,8 +140,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
     With `shared_lora`, q_shared and k_shared_logits are low-rank terms the kernel adds to q and k_logits
     (kernels.sse.decode.sse_decode_torch). Slot ids must be distinct (two programs writing one state would race).
-    `block_v` (state columns per block), `column_blocks` (blocks per program, which route the token once) and
-    `num_warps` override the launch, for bench/sse_decode_launch.py's sweep."""
+    `block_v` (state columns per program) and `num_warps` override the launch, for bench/sse_decode_launch.py's
+    sweep."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
@@ -174,9 +172,9 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
-        _decode_kernel[(B * H * triton.cdiv(V, block_v * column_blocks),)](
+        _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
             *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
-            row_topk or 0, decay_normalizer is not None, fixed, block_c, block_v, column_blocks, pow2(N),
+            row_topk or 0, decay_normalizer is not None, fixed, block_c, block_v, pow2(N),
             num_warps=num_warps)
     return out
