@@ -38,9 +38,14 @@ class SSEStatesManager(MambaManager):
 
     Only the leading arguments every supported vLLM passes are read; the rest go to MambaManager as they came."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A request holds exactly one block for its whole life: no prefix-cache states, no speculative blocks.
+        self.one_block_per_request = self.mamba_cache_mode == "none" and not self.num_speculative_blocks
+
     def _holds_its_block(self, request_id: str, num_tokens: int) -> bool:
-        return (self.mamba_cache_mode == "none" and not self.num_speculative_blocks
-                and num_tokens <= self.block_size and bool(self.req_to_blocks.get(request_id)))
+        return (self.one_block_per_request and num_tokens <= self.block_size
+                and bool(self.req_to_blocks.get(request_id)))
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs) -> int:
         if not new_computed_blocks and self._holds_its_block(request_id, num_tokens):
