@@ -118,12 +118,12 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     slots = slot_ids[:, None].expand_as(parts)
     cached = state[slots, :, parts]                                 # [B, P_sel, H, rows, d_v]
     S = f(states_from_cache(cached))                                # [B, P_sel, H, c, d_v]
-    decay = gg.exp()
+    decay, vv = gg.exp(), f(v)[:, None, :, None, :]                 # vv [B, 1, H, 1, d_v]
     bound = None
     if state.dtype == torch.int16:  # the decode step's scale bound (module docstring), as the kernel computes it
         bound = (decay.amax(-1)[..., None, None] * _column_floats(cached, 1)
-                 + kk.abs().amax(-1)[..., None, None] * f(v)[:, None, :, None, :].abs())
-    S = decay[..., None] * S + kk[..., None] * f(v)[:, None, :, None, :]
+                 + kk.abs().amax(-1)[..., None, None] * vv.abs())
+    S = decay[..., None] * S + kk[..., None] * vv
     state[slots, :, parts] = states_to_cache(S, state.dtype, bound)
     o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
     return o.to(v.dtype)
