@@ -25,6 +25,10 @@ logged and 0.71x without it (bench/results/sse_int16_states_20261128.md); take s
 The report is written again after each model, under one name per run, so a run cut short (a device call's time
 limit, a machine taken back) keeps the models that finished; `--add` joins them to a later run's.
 
+`--repeats R` times every length R times in the same engine and reports the median run, with the slowest run's
+tokens/s over the fastest's beside it: two 1k runs of the 1.5B on one H200 gave SSE-H 25.5k and 28.0k tokens/s
+(bench/results/vllm_states_manager_gpu_20261128.md), so one 1k figure is worth about +-5 %.
+
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
 """
@@ -148,19 +152,29 @@ def worker(args) -> None:
     speed = {}
     for length in args.lengths:
         prompts = args.prompts_long if length >= args.long_from else args.prompts
-        # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
-        # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
-        _, prefill_s = run(prompts, 1)
-        print(f"TIMED {length} begin", flush=True)  # brackets the engine's iteration log lines (`step_waits`)
-        tps, elapsed = run(prompts, length)
-        print(f"TIMED {length} end", flush=True)
-        decode_tps = prompts * args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
-        speed[length] = dict(prompts=prompts, tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s,
-                             decode_tokens_per_s=decode_tps)
-        print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
-              f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
+        timed = []
+        for _ in range(args.repeats):
+            # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
+            # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
+            _, prefill_s = run(prompts, 1)
+            print(f"TIMED {length} begin", flush=True)  # brackets the engine's iteration log lines (`step_waits`)
+            tps, elapsed = run(prompts, length)
+            print(f"TIMED {length} end", flush=True)
+            decode_tps = prompts * args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
+            timed.append(dict(tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s, decode_tokens_per_s=decode_tps))
+            print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
+                  f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
+        speed[length] = dict(prompts=prompts, **median_run(timed))
     runner = "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
     print("RESULT " + json.dumps(dict(start_s=start_s, model_runner=runner, speed=speed)), flush=True)
+
+
+def median_run(timed: list[dict]) -> dict:
+    """The run of median tokens/s (the slower middle one of an even count) stands for its length, with every
+    run's tokens/s and seconds beside it (the spread; the engine-step counts cover all the runs)."""
+    median = sorted(timed, key=lambda t: t["tokens_per_s"])[(len(timed) - 1) // 2]
+    return dict(median, runs_tokens_per_s=[t["tokens_per_s"] for t in timed],
+                runs_seconds=[t["seconds"] for t in timed])
 
 
 ITERATION = re.compile(r"iteration elapsed time: ([\d.]+) ms")
@@ -185,7 +199,7 @@ def run_model(name, path, args, log: Path) -> dict:
     engine = json.dumps({**json.loads(args.engine), **MODEL_ENGINE.get(name, {})})
     cmd = [sys.executable, __file__, "--worker", "--name", name, "--model", str(path), "--engine", engine,
            "--n", str(args.n), "--prompts", str(args.prompts), "--prompts-long", str(args.prompts_long),
-           "--long-from", str(args.long_from), "--lengths", *map(str, args.lengths)]
+           "--long-from", str(args.long_from), "--repeats", str(args.repeats), "--lengths", *map(str, args.lengths)]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True,
                               env={**os.environ, **MODEL_ENV.get(name, {})})
@@ -210,6 +224,8 @@ def main(argv=None):
     p.add_argument("--prompts-long", type=int, default=32)
     p.add_argument("--long-from", type=int, default=1 << 30)
     p.add_argument("--n", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each length this many times in the same engine and report the median run")
     p.add_argument("--models", nargs="+", default=["SSE-H", "Qwen3"], choices=MODELS)
     p.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON (default: none)")
     p.add_argument("--timeout", type=float, default=900)
@@ -305,6 +321,10 @@ def write_report(results: dict, args) -> str:
         prompts = args.prompts_long if length >= args.long_from else args.prompts
         row(f"output tokens/s, {prompts} prompts x {args.n} x {length} tokens",
             lambda m, k=str(length): results[m]["speed"][k]["tokens_per_s"], "{:,.0f}")
+        if args.repeats > 1:
+            row(f"  slowest / fastest of {args.repeats} runs (the row above: their median)",
+                lambda m, k=str(length): min(results[m]["speed"][k]["runs_tokens_per_s"])
+                / max(results[m]["speed"][k]["runs_tokens_per_s"]), "{:.3f}")
         row("  of which prefill, s (a 1-token run)", lambda m, k=str(length): results[m]["speed"][k]["prefill_s"],
             "{:.2f}")
         row("  tokens/s after the prefill", lambda m, k=str(length): results[m]["speed"][k]["decode_tokens_per_s"],
@@ -319,8 +339,11 @@ def write_report(results: dict, args) -> str:
             inverse=True)
     row(f"max concurrent sequences of {longest} tokens (vLLM)", lambda m: results[m]["max_concurrency"], "{:.0f}")
     row(f"cache MiB per sequence at {longest} tokens", lambda m: report["cache_mib_per_sequence"][m], "{:.1f}")
+    def timed_s(speed):
+        runs = speed.get("runs_seconds", [speed["seconds"]])
+        return f"{sum(runs):.1f} s" + (f" ({len(runs)} runs)" if len(runs) > 1 else "")
     steps = [f"- {m}, {n} new tokens: {w['steps']} engine steps; the engine waited {w['waited_s']:.1f} s for model "
-             f"outputs (longest {w['longest_ms']:.0f} ms) of {results[m]['speed'][n]['seconds']:.1f} s"
+             f"outputs (longest {w['longest_ms']:.0f} ms) of {timed_s(results[m]['speed'][n])}"
              for m in models for n, w in results.get(m, {}).get("engine_steps", {}).items()]
     lines += [""] + steps if steps else []
     markdown = "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from bench import vllm_rollouts
 
 def run_args(out, **changes):
     return argparse.Namespace(**{**dict(shape="small", lengths=[1024], prompts=32, prompts_long=32, long_from=1 << 30,
-                                        n=8, engine="{}", out=out, add=[]), **changes})
+                                        n=8, engine="{}", out=out, add=[], repeats=1), **changes})
 
 
 def result(tokens_per_s, held=1000.0):
@@ -92,3 +92,18 @@ def test_the_v1_arm_runs_its_worker_with_vllms_v1_runner(tmp_path, monkeypatch):
         vllm_rollouts.run_model(name, tmp_path, run_args(tmp_path, timeout=60), tmp_path / f"{name}.log")
     assert envs["SSE-H-v1-runner"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert envs["SSE-H"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_repeated_runs_report_the_median_and_the_spread(tmp_path):
+    timed = [dict(tokens_per_s=tps, seconds=s, prefill_s=p, decode_tokens_per_s=tps)
+             for tps, s, p in ((28_000.0, 9.4, 0.8), (25_000.0, 10.5, 0.9), (30_000.0, 8.7, 0.7))]
+    median = vllm_rollouts.median_run(timed)
+    assert (median["tokens_per_s"], median["seconds"], median["prefill_s"]) == (28_000.0, 9.4, 0.8)
+    assert median["runs_tokens_per_s"] == [28_000.0, 25_000.0, 30_000.0]
+    assert vllm_rollouts.median_run(timed[:2])["tokens_per_s"] == 25_000.0  # even count: the slower middle run
+    sse_h = dict(result(28_000.0), speed={"1024": dict(prompts=32, **median)},
+                 engine_steps={"1024": dict(steps=3075, waited_s=0.3, longest_ms=2.0)})
+    markdown = vllm_rollouts.write_report({"SSE-H": sse_h, "Qwen3": result(30_000.0)}, run_args(tmp_path, repeats=3))
+    assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["28,000", "30,000", "0.93"]
+    assert cells(markdown, "  slowest / fastest of 3 runs")[0] == "0.833"
+    assert "3075 engine steps; the engine waited 0.3 s for model outputs (longest 2 ms) of 28.6 s (3 runs)" in markdown
