@@ -416,7 +416,7 @@ def engine_config(layer_types, max_num_seqs=1024, **cache):
                     mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"), **cache}
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
                            cache_config=SimpleNamespace(**cache),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None),
                            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
@@ -476,7 +476,8 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
 
 def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
     """On a GPU the hook asks vLLM for its V2 model runner (GPU-side input preparation; vLLM 0.25 gives hybrids V1
-    unless told), unless the user chose a runner; the CPU build is left alone."""
+    unless told), unless the user chose a runner; the CPU build and the colocated engine (vLLM's external
+    launcher, only ever run on V1 on a GPU) are left alone."""
     from vllm.platforms import current_platform
 
     from sse_model import vllm_engine_config as hook
@@ -487,6 +488,10 @@ def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
+    colocated = engine_config([S, S, A])
+    colocated.parallel_config.distributed_executor_backend = "external_launcher"
+    hook.SSEEngineConfig.verify_and_update_config(colocated)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
     hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
