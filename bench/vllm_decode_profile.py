@@ -1,13 +1,19 @@
 """Where one decode step of a rollout batch goes, in vLLM with its default compiled engine (CUDA graphs on).
 
     python bench/vllm_decode_profile.py --model SSE-H|Qwen3 [--shape small|1b] [--batch 256]
-                                        [--state-dtype auto|bfloat16] [--out DIR] [--wall-only]
+                                        [--state-dtype auto|bfloat16] [--out DIR] [--wall-only | --prefill]
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch.profiler sees its kernels. It prints
 (1) the decode step's wall time, from two runs that differ only in their number of new tokens, and (2) the GPU
 time per kernel and decode step, from the profiles of two runs that differ by 32 decode steps (so the prefill
 drops out), sorted, with the share of each and the GPU's share of the wall time; the same tables go to DIR.
 `--state-dtype bfloat16` stores SSE-H's states in bfloat16.
+
+`--prefill` profiles the batch's prefill instead (a 1-token generation of `--batch` fresh 256-token prompts, prefix
+caching off for every model so that Qwen3 computes every prompt as SSE-H does): its wall time and GPU time per
+kernel. In the rollout benchmark SSE-H prefills all n copies of a prompt where Qwen3's prefix cache computes one
+(bench/results/vllm_states_manager_gpu_20261128.md: 0.84-0.91 s against 0.13-0.15 s at 256 x 256 tokens); this
+says whether SSE-H's prefill is also slower per token.
 """
 import argparse
 import os
@@ -39,6 +45,30 @@ def kernel_times(llm_run, new_tokens) -> dict[str, tuple[int, float]]:
             if e.device_time_total > 0 and e.device_type.name == "CUDA"}
 
 
+def kernel_table(times: dict[str, tuple[float, float]], total: float, rows: int = 25) -> list[str]:
+    """Markdown rows of the largest kernels: calls, ms and share of `total` ms."""
+    lines = ["| kernel | calls | ms | share |", "| --- | ---: | ---: | ---: |"]
+    for key, (calls, ms) in sorted(times.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"| {key[:90]} | {calls:.1f} | {ms:.3f} | {ms / total:.1%} |")
+    return lines
+
+
+def profile_prefill(args, run, llm) -> None:
+    """Wall time of the batch's prefill (a 1-token generation; the median of three) and its GPU time per kernel."""
+    walls = sorted(run(1) for _ in range(3))
+    kernels = kernel_times(run, 1)
+    total = sum(ms for _, ms in kernels.values())
+    tokens = args.batch * 256
+    batched = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    lines = [f"{args.model} ({args.shape}), prefill of {args.batch} prompts x 256 tokens (prefix caching off, "
+             f"max_num_batched_tokens {batched}): {walls[1]:.3f} s of wall time (runs {walls[0]:.3f}-{walls[2]:.3f} s"
+             f", {tokens / walls[1]:,.0f} prompt tokens/s), {total / 1e3:.3f} s of GPU kernels in a profiled run"]
+    lines += kernel_table(kernels, total)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (args.out / f"prefill_profile_{args.shape}_{args.model}.md").write_text(text + "\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="SSE-H")
@@ -47,6 +77,7 @@ def main():
     p.add_argument("--state-dtype", default="auto", help="vLLM's mamba_ssm_cache_dtype (SSE-H only)")
     p.add_argument("--out", type=Path, default=Path("/tmp"))
     p.add_argument("--wall-only", action="store_true", help="only the decode step's wall time (an A/B of two trees)")
+    p.add_argument("--prefill", action="store_true", help="profile the batch's prefill instead of a decode step")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -65,6 +96,8 @@ def main():
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     sse = args.model.startswith("SSE")
     engine = dict(mamba_ssm_cache_dtype=args.state_dtype) if sse else {}
+    if args.prefill:  # every run recomputes its prompts, Qwen3's too
+        engine["enable_prefix_caching"] = False
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048, **engine)
     prompts = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,)).tolist()}
                for _ in range(args.batch)]
@@ -77,6 +110,8 @@ def main():
         return time.perf_counter() - t
 
     run(16)
+    if args.prefill:
+        return profile_prefill(args, run, llm)
     short, long = run(32), run(288)
     step_ms = (long - short) / 256 * 1e3
     name = args.model + ("" if args.state_dtype == "auto" else f" ({args.state_dtype} states)")
@@ -97,10 +132,7 @@ def main():
     total = sum(ms for _, ms in per_step.values())
     lines.append(f"GPU kernel time per decode step: {total:.2f} ms, against {step_ms:.2f} ms of wall time "
                  f"({total / step_ms:.0%} of the step)")
-    lines.append("| kernel | calls per step | ms per step | share |")
-    lines.append("| --- | ---: | ---: | ---: |")
-    for key, (calls, ms) in sorted(per_step.items(), key=lambda kv: -kv[1][1])[:25]:
-        lines.append(f"| {key[:90]} | {calls:.1f} | {ms:.3f} | {ms / total:.1%} |")
+    lines += kernel_table(per_step, total)  # calls and ms per decode step
     import cProfile
     import io
     import pstats
