@@ -521,6 +521,33 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     assert torch.equal(cache[untouched], before[untouched]), "slots outside the batch changed"
 
 
+def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
+    """The int16 kernel stores round(S / s) for the updated float32 S and its new column scale s: within half a step
+    (plus float32 slack from fused multiply-adds), where truncating would be up to a whole step off."""
+    from kernels import states_from_cache, states_to_cache
+    from kernels.sse import sse_decode_torch
+    from kernels.sse.decode import SCALE_ROWS
+    from kernels.triton import sse_decode_triton
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    N, K, B = 4, 1, 6
+    slots = torch.arange(B, device=device)
+    inputs = exact_in_bf16_inputs(B, H, c, dv, N, 1, device)
+    step = {n: x[0] for n, x in inputs.items() if n != "initial_state"}
+    cache = states_to_cache(torch.randn(B, H, N + 1, c, dv, device=device), INT16)
+    cache = torch.empty_like(cache.transpose(1, 2)).transpose(1, 2).copy_(cache)  # partition-major, as in vLLM
+    exact = states_from_cache(cache)                 # the float32 states the int16 cache holds
+    held = exact.clone()
+    sse_decode_torch(exact, slots, **step, top_k=K)  # their float32 update
+    updated = (exact != held).any(-1, keepdim=True).any(-2, keepdim=True).expand_as(exact)  # routed + shared
+    sse_decode_triton(cache, slots, **step, top_k=K)
+    stored = cache[..., :-SCALE_ROWS, :].float()
+    scale_rows = cache[..., -SCALE_ROWS:-SCALE_ROWS + 2, :]  # the scales' float32s, two int16 rows per column
+    new_scale = scale_rows.contiguous().view(torch.float32).reshape(*scale_rows.shape[:-2], 1, -1)
+    off = (stored - exact / new_scale)[updated].abs()
+    assert float(off.max()) <= 0.5 + 1e-2, float(off.max())
+    assert float(off.mean()) > 0.2  # S / s is no integer already: the check above can fail
+
+
 @pytest.mark.parametrize("shared_lora", [False, True], ids=["shared-given", "shared-lora"])
 @pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
