@@ -543,8 +543,10 @@ def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
     stored = cache[..., :-SCALE_ROWS, :].float()
     scale_rows = cache[..., -SCALE_ROWS:-SCALE_ROWS + 2, :]  # the scales' float32s, two int16 rows per column
     new_scale = scale_rows.contiguous().view(torch.float32).reshape(*scale_rows.shape[:-2], 1, -1)
-    off = (stored - exact / new_scale)[updated].abs()
-    assert float(off.max()) <= 0.5 + 1e-2, float(off.max())
+    steps = (exact / new_scale)[updated]
+    off = (stored[updated] - steps).abs()
+    # float32 slack: the GPU's exp and fused multiply-adds move S in its last bits, up to 65534 steps of s
+    assert bool((off <= 0.5 + 1e-2 + 1e-6 * steps.abs()).all()), float(off.max())
     assert float(off.mean()) > 0.2  # S / s is no integer already: the check above can fail
 
 
