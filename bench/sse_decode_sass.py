@@ -1,5 +1,6 @@
 """The SSE decode kernel's machine code for a Hopper GPU, compiled on any machine (no GPU needed): registers, stack
-(spills) and the instruction mix per thread, for an int16 and a bfloat16 state cache at their default launches.
+(spills) and the instruction mix per thread, for an int16 and a bfloat16 state cache at their default launches
+(`kernels.triton.decode.default_launch`).
 
     python bench/sse_decode_sass.py [--out DIR]
 
@@ -29,7 +30,6 @@ sys.path.insert(0, str(REPO))
 DIVISIBLE = ["state_ptr", "slot_ptr", "q_ptr", "k_ptr", "v_ptr", "g_ptr", "e_ptr", "qs_ptr", "ks_ptr", "o_ptr", "H",
              "C", "V", "stride_slot", "stride_head", "stride_part", "stride_row", "row_q", "row_k", "row_v", "row_g",
              "row_qs", "row_ks", "row_o"]
-LAUNCHES = {"int16": dict(block_v=64, num_warps=2), "bfloat16": dict(block_v=128, num_warps=4)}  # the defaults
 
 
 def compile_decode(state: str, block_v: int, num_warps: int):
@@ -77,13 +77,16 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
     print(f"Triton {triton.__version__}, sm_90; H = 16, c = d_v = 128, N = 4, K = 1 + shared; per thread:")
-    for state, launch in LAUNCHES.items():
-        name = f"decode_{state}_{launch['block_v']}x{launch['num_warps']}"
-        usage, sass = machine_code(compile_decode(state, **launch), args.out, name)
+    import torch
+
+    from kernels.triton.decode import default_launch
+    for state in ("int16", "bfloat16"):
+        block_v, num_warps = default_launch(128, 128, getattr(torch, state))  # what sse_decode_triton launches
+        name = f"decode_{state}_{block_v}x{num_warps}"
+        usage, sass = machine_code(compile_decode(state, block_v, num_warps), args.out, name)
         mix = instruction_mix(sass)
         registers = usage.split(" SHARED")[0]
-        print(f"\n{state} state, BLOCK_V {launch['block_v']}, {launch['num_warps']} warps: {registers}, "
-              f"{sum(mix.values())} instructions")
+        print(f"\n{state} state, BLOCK_V {block_v}, {num_warps} warps: {registers}, {sum(mix.values())} instructions")
         print("  " + ", ".join(f"{op} {n}" for op, n in mix.most_common(24)))
     print(f"\nSASS in {args.out}")
 

@@ -129,6 +129,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if _tokens_contiguous(x) else x.contiguous()
 
 
+def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the decode kernel for a state cache of `dtype` with c = C, d_v = V."""
+    # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
+    # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
+    # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
+    # int16: a 16 KB tile and 2 warps were the fastest on an H200, 235 us against 261 with bfloat16's launch
+    # (bench/results/sse_decode_launch_20261128_bound.json).
+    fixed = dtype == torch.int16
+    tile_bytes = 16384 if fixed else 32768
+    return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
+
+
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                       shared_lora=False, block_v=None, num_warps=None):
@@ -161,14 +173,9 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     elif out.shape != (B, H, V) or not _tokens_contiguous(out):
         raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
                          f"{tuple(out.shape)}, strides {out.stride()}")
-    # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
-    # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
-    # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
     block_c = pow2(C)
-    # int16: a 16 KB tile and 2 warps were the fastest on an H200, 235 us against 261 with bfloat16's launch
-    # (bench/results/sse_decode_launch_20261128_bound.json).
-    block_v = block_v or min(pow2(V), max(16, (16384 if fixed else 32768) // (block_c * state.element_size())))
-    num_warps = num_warps or (2 if fixed else 4)
+    default_block_v, default_warps = default_launch(C, V, state.dtype)
+    block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
