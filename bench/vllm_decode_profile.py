@@ -58,11 +58,13 @@ def profile_prefill(args, run, llm) -> None:
     walls = sorted(run(1) for _ in range(3))
     kernels = kernel_times(run, 1)
     total = sum(ms for _, ms in kernels.values())
-    tokens = args.batch * 256
+    from vllm_rollouts import PROMPT_TOKENS
+    tokens = args.batch * PROMPT_TOKENS
     batched = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    lines = [f"{args.model} ({args.shape}), prefill of {args.batch} prompts x 256 tokens (prefix caching off, "
-             f"max_num_batched_tokens {batched}): {walls[1]:.3f} s of wall time (runs {walls[0]:.3f}-{walls[2]:.3f} s"
-             f", {tokens / walls[1]:,.0f} prompt tokens/s), {total / 1e3:.3f} s of GPU kernels in a profiled run"]
+    lines = [f"{args.model} ({args.shape}), prefill of {args.batch} prompts x {PROMPT_TOKENS} tokens (prefix caching "
+             f"off, max_num_batched_tokens {batched}): {walls[1]:.3f} s of wall time (runs {walls[0]:.3f}-"
+             f"{walls[2]:.3f} s, {tokens / walls[1]:,.0f} prompt tokens/s), {total / 1e3:.3f} s of GPU kernels in a "
+             "profiled run"]
     lines += kernel_table(kernels, total)
     text = "\n".join(lines)
     print(text, flush=True)
