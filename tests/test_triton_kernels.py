@@ -550,6 +550,29 @@ def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
     assert float(off.mean()) > 0.2  # S / s is no integer already: the check above can fail
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_int16_decode_never_stores_past_the_bound(device, impl):
+    """A column stored under a loose scale (here 100x its largest |S|) holds values rounded up past that largest
+    |S|; a step that keeps them (decay 1, v = 0) must scale for that, or the largest values land past 32,767
+    (clamped 50 steps off, or wrapped to the other sign by a kernel that does not clamp)."""
+    from kernels import sse_decode, states_from_cache, states_to_cache
+    from kernels.sse.decode import SCALE_ROWS
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    N, K, B = 4, 1, 6
+    slots = torch.arange(B, device=device)
+    step = {n: x[0] for n, x in exact_in_bf16_inputs(B, H, c, dv, N, 1, device).items() if n != "initial_state"}
+    step["log_decay"], step["v"] = torch.zeros_like(step["log_decay"]), torch.zeros_like(step["v"])
+    S = torch.randn(B, H, N + 1, c, dv, device=device)
+    cache = states_to_cache(S, INT16, bound=100 * S.abs().amax(-2, keepdim=True))
+    before = states_from_cache(cache)
+    assert bool((before.abs().amax(-2) > S.abs().amax(-2)).any())  # some columns were rounded up past their top
+    sse_decode(cache, slots, **step, top_k=K, impl=impl)
+    scale_rows = cache[..., -SCALE_ROWS:-SCALE_ROWS + 2, :]
+    new_scale = scale_rows.contiguous().view(torch.float32).reshape(*scale_rows.shape[:-2], 1, -1)
+    off = (states_from_cache(cache) - before).abs() / new_scale
+    assert bool((off <= 0.5 + 1e-2).all()), float(off.max())
+
+
 @pytest.mark.parametrize("shared_lora", [False, True], ids=["shared-given", "shared-lora"])
 @pytest.mark.parametrize("decay", ["log_decay", "logits"])
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -13,12 +13,12 @@ close to 1 asks for (bench/state_dtype_drift.py).
 
 The scale: a whole state written at once (`states_to_cache`) gets s = its column's largest |S| / FIXED_MAX. A
 decode step gets s = bound / FIXED_MAX from a bound on the updated column known before the state is read:
-    |decay_c S[c, d] + key_c v_d| <= max_c decay_c * (largest |S[:, d]| stored) + max_c |key_c| * |v_d|
-so the kernel can round and store each value as soon as it is updated, instead of holding the whole updated tile
-until its columns' largest values are reduced (307 against 235 us a layer on an H200, kernels/NOTES.md). The bound
-is loose by the rounding of the stored values (clamped) and by how far the largest decay and key overstate the
-column's: over 4k steps the outputs drift 2.2e-4 / 5.4e-4 from float64 (typical / long-memory gates) against
-1.7e-4 / 4.8e-4 with exact scales.
+    |decay_c S[c, d] + key_c v_d| <= max_c decay_c * (largest |S[:, d]| stored + s_d / 2) + max_c |key_c| * |v_d|
+(half a step s_d: a stored value may have been rounded up past the largest |S|), so the kernel can round and store
+each value as soon as it is updated, instead of holding the whole updated tile until its columns' largest values are
+reduced (307 against 235 us a layer on an H200 when this came in, kernels/NOTES.md), and need not clamp it. The
+bound is loose by how far the largest decay and key overstate the column's: over 4k steps the outputs drift 2.2e-4 /
+5.4e-4 from float64 (typical / long-memory gates) against 1.7e-4 / 4.8e-4 with exact scales.
 """
 import torch
 
@@ -58,7 +58,7 @@ def states_to_cache(states: torch.Tensor, dtype: torch.dtype, bound: torch.Tenso
     top = states.abs().amax(-2, keepdim=True)                                   # [..., 1, d_v]
     bound = top if bound is None else bound.float()
     x = states * (FIXED_MAX / torch.where(bound > ZERO_BELOW, bound, torch.ones_like(bound)))
-    values = (x.sign() * (x.abs() + 0.5).floor()).clamp(-FIXED_MAX, FIXED_MAX).to(torch.int16)
+    values = x.round().clamp(-FIXED_MAX, FIXED_MAX).to(torch.int16)           # ties to even
     floats = torch.cat([bound / FIXED_MAX, top], -2).contiguous()             # [..., 2, d_v]
     return torch.cat([values, floats.view(torch.int16).reshape(*top.shape[:-2], SCALE_ROWS, -1)], -2)
 
@@ -121,7 +121,7 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     decay, vv = gg.exp(), f(v)[:, None, :, None, :]                 # vv [B, 1, H, 1, d_v]
     bound = None
     if state.dtype == torch.int16:  # the decode step's scale bound (module docstring), as the kernel computes it
-        bound = (decay.amax(-1)[..., None, None] * _column_floats(cached, 1)
+        bound = (decay.amax(-1)[..., None, None] * (_column_floats(cached, 1) + 0.5 * _column_floats(cached, 0))
                  + kk.abs().amax(-1)[..., None, None] * vv.abs())
     S = decay[..., None] * S + kk[..., None] * vv
     state[slots, :, parts] = states_to_cache(S, state.dtype, bound)

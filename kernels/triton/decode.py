@@ -20,6 +20,12 @@ from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys
 
 FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
 ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
+# Rounding to an integer with one fused multiply-add: for |x| < 2**22, x + 1.5 * 2**23 rounds x to the nearest integer
+# (ties to even) and its float32 bits are 0x4B400000 + round(x), whose low 16 bits are round(x) as an int16 (the
+# constant's are 0). With no clamp (the scale's bound covers the rounding) the int16 step went from 235 to 203 us
+# a layer on an H200 (bfloat16 states: 169): before, a compare, a select, an add, two clamps and a quarter-rate
+# float-to-int conversion per value (bench/results/sse_decode_int16_variants_20261128.md).
+ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -30,18 +36,19 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
     (kernels/sse/decode.py); the new scale comes from a bound known before the tile is read, so each value is
     stored as soon as it is updated (the arithmetic of `sse_decode_torch`, except that the largest decay here also
     counts the tile's padding rows past C, whose decay is 1: for c not a power of two the bound is looser than the
-    twin's, still a bound)."""
+    twin's, still a bound). The bound covers the stored values' rounding too, so no rounded value passes
+    +-FIXED_MAX and none is clamped."""
     if FIXED:
         scale = tl.load(scale_ptr, mask=scale_mask, other=0.0)
-        bound = tl.max(decay) * tl.load(scale_ptr + V, mask=scale_mask, other=0.0) + tl.max(tl.abs(key)) * tl.abs(v)
+        top = tl.load(scale_ptr + V, mask=scale_mask, other=0.0)
+        bound = tl.max(decay) * (top + 0.5 * scale) + tl.max(tl.abs(key)) * tl.abs(v)
     S = tl.load(state_ptr + tile, mask=mask, other=0).to(tl.float32)
     if FIXED:
         S *= scale
     S = decay * S + key * v
     if FIXED:
         x = S * (FIXED_MAX / tl.where(bound > ZERO_BELOW, bound, 1.0))
-        x = tl.minimum(tl.maximum(tl.where(x >= 0, x + 0.5, x - 0.5), -FIXED_MAX), FIXED_MAX)
-        tl.store(state_ptr + tile, x.to(tl.int16), mask=mask)  # the cast truncates: rounded half away from 0
+        tl.store(state_ptr + tile, (x + ROUNDER).to(tl.int32, bitcast=True).to(tl.int16), mask=mask)  # round(x)
         tl.store(scale_ptr, bound / FIXED_MAX, mask=scale_mask)
         tl.store(scale_ptr + V, tl.max(tl.abs(S), 0)[None, :], mask=scale_mask)  # rows past C are 0
     else:
@@ -134,8 +141,8 @@ def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
     # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
-    # int16: a 16 KB tile and 2 warps were the fastest on an H200, 235 us against 261 with bfloat16's launch
-    # (bench/results/sse_decode_launch_20261128_bound.json).
+    # int16: a 16 KB tile and 2 warps are the fastest on an H200, 203 us against 225 with bfloat16's launch
+    # (bench/results/sse_decode_int16_variants_20261128.md).
     fixed = dtype == torch.int16
     tile_bytes = 16384 if fixed else 32768
     return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
