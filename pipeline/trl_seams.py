@@ -239,6 +239,7 @@ class SSEVLLMGeneration(VLLMGeneration):
 
     def _init_vllm(self):
         from vllm import LLM
+        from vllm import __version__ as vllm_version
 
         # vLLM's external launcher runs the engine in this process, inside the trainer's (possibly
         # single-rank) process group, as TRL's colocate mode does.
@@ -248,6 +249,9 @@ class SSEVLLMGeneration(VLLMGeneration):
         ensure_master_addr_port()
         self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
                           logprobs_mode="processed_logprobs")
+        # into the stage log: vLLM's own line about its runner does not reach it
+        runner = "V2" if self.engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        print(f"rollout engine: vLLM {vllm_version}, {runner} model runner", flush=True)
         self.llm = SeededLLM(self.engine, self.seed_base)  # what TRL's generate() uses
         self._llm_weights_sleeping = False
         self.accelerator.wait_for_everyone()

@@ -25,10 +25,9 @@ Transformers get the V2 runner, which prepares a step's inputs on the GPU. A 1.5
 engine and 1k rollouts 4 % faster in vLLM's default one (bench/results/vllm_v2_runner_20261128.md), so on a GPU
 the hook sets `VLLM_USE_V2_MODEL_RUNNER=1` when the user has not set it. vLLM reads it from the environment (this
 process and the engine processes it starts after this hook), so it holds for later engines of this process too;
-`VLLM_USE_V2_MODEL_RUNNER=0` keeps V1. Not for an engine inside the trainer's processes (vLLM's external launcher,
-the colocated GRPO engine of pipeline/trl_seams.py): that engine has run on a GPU only on V1 (weight pushes, parity
-probe, seeded sampling; docs/pipeline.md "On a GPU"), so it keeps V1 until it has run on V2 (unless an engine
-started earlier in the same process has set the variable).
+`VLLM_USE_V2_MODEL_RUNNER=0` keeps V1. The colocated GRPO engine (vLLM's external launcher inside the trainer's
+process, pipeline/trl_seams.py) gets V2 too: its weight pushes, parity probe and seeded sampling ran on V2 on an
+H200 (docs/pipeline.md, "On a GPU").
 """
 import logging
 import os
@@ -103,8 +102,7 @@ class SSEEngineConfig(VerifyAndUpdateConfig):
         from vllm.platforms import current_platform
         if not current_platform.is_cuda_alike():  # the CPU build runs no CUDA graphs and sizes its cache itself
             return
-        colocated = vllm_config.parallel_config.distributed_executor_backend == "external_launcher"
-        if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and not colocated:
+        if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             logger.info("SSE-H: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 keeps V1)")
         fit = sequences_that_fit(vllm_config, current_platform.get_device_total_memory())

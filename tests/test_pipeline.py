@@ -93,6 +93,7 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert "Failed to query Ray Train Controller" not in "".join(logs.values())  # once a second without dashboard
     for stage in ("grpo", "eval"):
         assert "Loading safetensors checkpoint shards" in logs[f"{stage}.log"]  # vLLM's engine start
+    assert re.search(r"rollout engine: vLLM \S+, V[12] model runner", logs["grpo.log"])
 
     again = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}",
                    *sum([["--set", s] for s in SHORT], []))

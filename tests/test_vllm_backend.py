@@ -476,8 +476,8 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
 
 def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
     """On a GPU the hook asks vLLM for its V2 model runner (GPU-side input preparation; vLLM 0.25 gives hybrids V1
-    unless told), unless the user chose a runner; the CPU build and the colocated engine (vLLM's external
-    launcher, only ever run on V1 on a GPU) are left alone."""
+    unless told), the colocated GRPO engine (vLLM's external launcher) included, unless the user chose a runner;
+    the CPU build is left alone."""
     from vllm.platforms import current_platform
 
     from sse_model import vllm_engine_config as hook
@@ -491,8 +491,6 @@ def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
     colocated = engine_config([S, S, A])
     colocated.parallel_config.distributed_executor_backend = "external_launcher"
     hook.SSEEngineConfig.verify_and_update_config(colocated)
-    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
-    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
