@@ -45,7 +45,7 @@ def compile_decode(state: str, block_v: int, num_warps: int):
                      stride_head="i64", stride_part="i64", stride_row="i64", row_q="i64", row_k="i64", row_v="i64",
                      row_g="i64", row_e="i64", row_qs="i64", row_ks="i64", row_o="i64")
     constants = dict(stride_col=1, K=1, SHARED=True, SHARED_LORA=True, ROW_TOPK=0, DECAY_LOGITS=True, FIXED=fixed,
-                     BLOCK_C=128, BLOCK_V=block_v, BLOCK_N=4)
+                     PTX=True, BLOCK_C=128, BLOCK_V=block_v, BLOCK_N=4)
     signature.update(dict.fromkeys(constants, "constexpr"))
     attrs = {(_decode_kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(fn=_decode_kernel, signature=signature, constexprs=constants, attrs=attrs)

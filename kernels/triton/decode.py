@@ -29,7 +29,8 @@ ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, FIXED: tl.constexpr):
+def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, FIXED: tl.constexpr,
+            PTX: tl.constexpr):
     """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
     registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store. int16: fixed point
     with a float32 scale per column at `scale_ptr` and the column's largest |S| V floats after it
@@ -42,9 +43,20 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
         scale = tl.load(scale_ptr, mask=scale_mask, other=0.0)
         top = tl.load(scale_ptr + V, mask=scale_mask, other=0.0)
         bound = tl.max(decay) * (top + 0.5 * scale) + tl.max(tl.abs(key)) * tl.abs(v)
-    S = tl.load(state_ptr + tile, mask=mask, other=0).to(tl.float32)
-    if FIXED:
-        S *= scale
+    S = tl.load(state_ptr + tile, mask=mask, other=0)
+    if FIXED and PTX:
+        # int16 x to float32 without a conversion instruction (quarter rate): flipping x's sign bit gives x + 32768
+        # as 16 unsigned bits, and a byte permute puts 0x4B40 above them, the bits of 1.5 * 2**23 + 32768 + x;
+        # one XOR and two permutes per pair of values (203-205 -> 197-199 us a layer on two H200s,
+        # bench/results/sse_decode_int16_variants_20261128.md).
+        f = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; mov.b32 k, 0x4B40; xor.b32 t, $2, 0x80008000; prmt.b32 $0, t, k, 0x5410; "
+            "prmt.b32 $1, t, k, 0x5432; }", "=r,=r,r", [S], dtype=tl.float32, is_pure=True, pack=2)
+        S = (f - (ROUNDER + 32768.0)) * scale
+    elif FIXED:  # Triton's CPU interpreter (the CPU tests) runs no PTX
+        S = S.to(tl.float32) * scale
+    else:
+        S = S.to(tl.float32)
     S = decay * S + key * v
     if FIXED:
         x = S * (FIXED_MAX / tl.where(bound > ZERO_BELOW, bound, 1.0))
@@ -61,7 +73,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
                    decay_normalizer, H, C, V, N, stride_slot, stride_head, stride_part, stride_row, stride_col,
                    row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
                    SHARED: tl.constexpr, SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr,
-                   DECAY_LOGITS: tl.constexpr, FIXED: tl.constexpr, BLOCK_C: tl.constexpr,
+                   DECAY_LOGITS: tl.constexpr, FIXED: tl.constexpr, PTX: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
     # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
@@ -105,7 +117,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         w_p = tl.sum(tl.where(n == p, w, 0.0))
         p = tl.sum(p)                                  # scalar partition index
         acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
-                             scales + p * stride_part // 2, scale_mask, V, FIXED)
+                             scales + p * stride_part // 2, scale_mask, V, FIXED, PTX)
     if SHARED:
         z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
         q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
@@ -116,7 +128,7 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
         decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
         acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
                        tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, V,
-                       FIXED)
+                       FIXED, PTX)
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -141,8 +153,8 @@ def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
     # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
     # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
     # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
-    # int16: a 16 KB tile and 2 warps are the fastest on an H200, 203 us against 225 with bfloat16's launch
-    # (bench/results/sse_decode_int16_variants_20261128.md).
+    # int16: a 16 KB tile and 2 warps are the fastest on an H200 (203 us against 225 with bfloat16's launch,
+    # before the PTX load; bench/results/sse_decode_int16_variants_20261128.md).
     fixed = dtype == torch.int16
     tile_bytes = 16384 if fixed else 32768
     return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
@@ -183,12 +195,13 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     block_c = pow2(C)
     default_block_v, default_warps = default_launch(C, V, state.dtype)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
+    ptx = state.is_cuda and torch.version.cuda is not None  # NVIDIA's GPUs (not the interpreter's CPU, not ROCm)
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
             state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
             *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
-            row_topk or 0, decay_normalizer is not None, fixed, block_c, block_v, pow2(N),
+            row_topk or 0, decay_normalizer is not None, fixed, ptx, block_c, block_v, pow2(N),
             num_warps=num_warps)
     return out
