@@ -416,7 +416,7 @@ def engine_config(layer_types, max_num_seqs=1024, **cache):
                     mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"), **cache}
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
                            cache_config=SimpleNamespace(**cache),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
                            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
