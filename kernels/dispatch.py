@@ -6,7 +6,15 @@ import importlib.util
 import torch
 
 from kernels.norm_gate import norm_gate_torch, rms_norm_torch
-from kernels.sse import log_decay_from_logits, sse_chunk_mask, sse_chunk_varlen, sse_decode_torch, sse_reference
+from kernels.sse import (
+    log_decay_from_logits,
+    read_states_torch,
+    sse_chunk_mask,
+    sse_chunk_varlen,
+    sse_decode_torch,
+    sse_reference,
+    write_states_torch,
+)
 
 
 def _lazy(module, name):
@@ -28,6 +36,10 @@ IMPLEMENTATIONS = {
 # The paths that take decay logits and `decay_normalizer` themselves; sse_attention computes log a for the others.
 TAKES_DECAY_LOGITS = {"triton_indexed"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
+READ_STATES_IMPLEMENTATIONS = {"torch": read_states_torch,
+                               "triton": _lazy("kernels.triton.state_cache", "read_states_triton")}
+WRITE_STATES_IMPLEMENTATIONS = {"torch": write_states_torch,
+                                "triton": _lazy("kernels.triton.state_cache", "write_states_triton")}
 NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
 RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("kernels.triton.norm_gate", "rms_norm_triton")}
 
@@ -126,6 +138,20 @@ def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top
     return decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                   k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, out=out,
                   decay_normalizer=decay_normalizer, shared_lora=shared_lora)
+
+
+def read_states(cache, slots, has_state=None, *, impl="auto"):
+    """The states of rows `slots` [S] of a state cache [num_slots, H, N + shared, c (+ 4 for int16), d_v] as float32
+    [S, H, N + shared, c, d_v] (a prefill's initial states); zeros where `has_state` [S] is False, whose slots are
+    not read. The Triton kernel on CUDA: one pass, where torch gathers and converts in three."""
+    return _triton_or_torch(READ_STATES_IMPLEMENTATIONS, impl, cache.device, "state read")(cache, slots, has_state)
+
+
+def write_states(cache, slots, states, *, impl="auto"):
+    """Store float32 states [S, H, N + shared, c, d_v] (a prefill's final states) into rows `slots` [S] of a state
+    cache, rounded once to its dtype (`states_to_cache`). The Triton kernel on CUDA: one pass, where torch makes
+    a dozen."""
+    _triton_or_torch(WRITE_STATES_IMPLEMENTATIONS, impl, cache.device, "state write")(cache, slots, states)
 
 
 def norm_gate(o, weight, gate, *, eps, impl="auto"):

@@ -61,11 +61,11 @@ from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm_engine_config import state_dtype
 from sse_model.vllm_state_cache import SSEStatesSpec
 
-# Prefills run in groups of sequences whose float32 states (gathered initial states, their copy in the GLA's layout,
-# final states, and the cast back to the cache dtype: PREFILL_STATE_COPIES of them) take at most
-# PREFILL_STATES_BYTES; without a bound a step prefilling hundreds of sequences (the n rollouts of a GRPO batch)
-# needed several GiB per layer outside vLLM's cache (docs/vllm-backend.md, "Prefill memory").
-PREFILL_STATE_COPIES = 4
+# Prefills run in groups of sequences whose float32 states (initial states read from their slots, final states:
+# PREFILL_STATE_COPIES of them) take at most PREFILL_STATES_BYTES; without a bound a step prefilling hundreds of
+# sequences (the n rollouts of a GRPO batch) needed several GiB per layer outside vLLM's cache (docs/vllm-backend.md,
+# "Prefill memory").
+PREFILL_STATE_COPIES = 2
 PREFILL_STATES_BYTES = 1 << 30
 
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint. The first match
@@ -218,16 +218,21 @@ class SSEStateMetadata(LinearAttentionMetadata):
     # The prefills' token offsets on the host (num_prefills + 1 of them, from the first prefill token), so the
     # layer can split the prefills into groups of sequences without reading the device.
     prefill_token_offsets: list[int] = field(default_factory=list)
+    # Per prefill, on the host: whether it continues a state in its slot (a later chunk, a prefix-cache hit) or
+    # starts from nothing; on the device only when the step has both kinds.
+    prefill_has_state: list[bool] = field(default_factory=list)
+    prefill_has_state_mask: torch.Tensor | None = None
 
 
 class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
-    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus the prefills'
-    token offsets on the host and zeroed slots for requests that start from scratch.
+    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus, from host-side
+    lengths, the prefills' token offsets and which of them start from nothing.
 
-    A freed slot keeps its last request's state. Zeroing it here, before the forward and from host-side lengths,
-    covers one-token prompts too (the batch split counts them as decodes), costs no device sync, and stays out
-    of any captured CUDA graph; the layer then always continues from its slots. A request resumed from a prefix
-    cache hit has computed tokens and keeps the state vLLM copied into its slot.
+    A freed slot keeps its last request's state. A prefill that starts from nothing does not read its slot (its
+    final state overwrites it); a request that starts as a decode (a one-token prompt: the batch split counts it
+    as one) reads its slot, which is zeroed here, before the forward, costing no device sync and staying out of
+    any captured CUDA graph. A request resumed from a prefix cache hit has computed tokens and continues from the
+    state vLLM copied into its slot.
     """
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -236,19 +241,26 @@ class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
         m = common_attn_metadata
         nd, npf = metadata.num_decodes, metadata.num_prefills
         offsets = (m.query_start_loc_cpu[nd:nd + npf + 1] - m.query_start_loc_cpu[nd]).tolist() if npf else []
-        metadata = SSEStateMetadata(**vars(metadata), prefill_token_offsets=offsets)
+        has_state = [True] * npf  # without vLLM's prefill flags every prefill continues from its slot
         if m.is_prefilling is not None:
             query_lens = m.query_start_loc_cpu.diff()
             fresh = m.is_prefilling & (query_lens > 0) & (m.seq_lens_cpu_upper_bound == query_lens)
-            if bool(fresh.any()):
-                # Through pinned memory where the platform has it, so that the copy does not wait for the work
-                # queued on the GPU (a plain `.to` did: ~20 ms on every step that starts requests, 1.5B on an H100).
-                rows = async_tensor_h2d(fresh.nonzero()[:, 0], metadata.state_indices_tensor.device)
-                slots = metadata.state_indices_tensor[rows].long()
-                context = self.vllm_config.compilation_config.static_forward_context
-                for name in self.layer_names:
-                    context[name].kv_cache[0].index_fill_(0, slots, 0.0)
-        return metadata
+            has_state = (~fresh[nd:nd + npf]).tolist()
+            if bool(fresh[:nd].any()):
+                self._zero_slots(metadata.state_indices_tensor, fresh[:nd].nonzero()[:, 0])
+        mask = None
+        if any(has_state) and not all(has_state):
+            mask = async_tensor_h2d(has_state, metadata.state_indices_tensor.device)
+        return SSEStateMetadata(**vars(metadata), prefill_token_offsets=offsets, prefill_has_state=has_state,
+                                prefill_has_state_mask=mask)
+
+    def _zero_slots(self, slots_of_rows: torch.Tensor, rows: torch.Tensor) -> None:
+        # Through pinned memory where the platform has it, so that the copy does not wait for the work queued on
+        # the GPU (a plain `.to` did: ~20 ms on every step that starts requests, 1.5B on an H100).
+        slots = slots_of_rows[async_tensor_h2d(rows, slots_of_rows.device)].long()
+        context = self.vllm_config.compilation_config.static_forward_context
+        for name in self.layer_names:
+            context[name].kv_cache[0].index_fill_(0, slots, 0.0)
 
 
 class SSEStateBackend(LinearAttentionBackend):
@@ -438,11 +450,14 @@ class SSELinearAttention(nn.Module):
             if self.lora:
                 prefill["q_shared"] = sse_math.shared_partition(prefill["q"], prefill["q_shared"])
                 prefill["k_shared_logits"] = sse_math.shared_partition(prefill["k_logits"], prefill["k_shared_logits"])
-            o, final = kernels.sse_attention(**prefill, **self.ops,
-                                             initial_state=kernels.states_from_cache(state[prefill_slots]),
-                                             output_final_state=True, cu_seqlens=(qsl - qsl[0]).long(),
-                                             impl=self.prefill_impl)
-            state[prefill_slots] = kernels.states_to_cache(final, state.dtype)
+            has_state = metadata.prefill_has_state[first:last]
+            initial = None
+            if any(has_state):
+                mask = None if all(has_state) else metadata.prefill_has_state_mask[first:last]
+                initial = kernels.read_states(state, prefill_slots, mask, impl=self.decode_impl)
+            o, final = kernels.sse_attention(**prefill, **self.ops, initial_state=initial, output_final_state=True,
+                                             cu_seqlens=(qsl - qsl[0]).long(), impl=self.prefill_impl)
+            kernels.write_states(state, prefill_slots, final, impl=self.decode_impl)
             output[tokens] = o[0]
 
 

@@ -675,6 +675,89 @@ def test_decode_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A prefill's states in and out of vLLM's state cache (kernels/triton/state_cache.py).
+
+def partition_major_cache(states, dtype):
+    """`states_to_cache(states, dtype)` laid out as vLLM's cache is (partition-major: a strided view)."""
+    from kernels import states_to_cache
+    cache = states_to_cache(states, dtype)
+    return torch.empty_like(cache.transpose(1, 2)).transpose(1, 2).copy_(cache)
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16, INT16], ids=["f32", "bf16", "int16"])
+def test_state_cache_read_and_write_match_the_twin(device, state_dtype):
+    """The one-pass kernels give the torch twin's values on a partition-major cache, slots out of order: a read
+    is exact and zero for a state without a past (its slot unread), a write rounds once as `states_to_cache` does
+    (within one unit of the last place: Triton's CPU interpreter truncates to bfloat16, a GPU may fuse the int16
+    rounding's multiply-add) with exact int16 column scales, and touches no other slot. An empty batch is a no-op."""
+    from kernels.sse import read_states_torch, write_states_torch
+    from kernels.triton.state_cache import read_states_triton, write_states_triton
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    P, num_slots = 5, 9
+    columns = torch.logspace(-3, 3, dv, device=device)  # columns of very different sizes (int16 scales per column)
+    cache = partition_major_cache(torch.randn(num_slots, H, P, c, dv, device=device) * columns, state_dtype)
+    slots = torch.tensor([6, 0, 3, 8], device=device)
+    has_state = torch.tensor([True, False, True, True], device=device)
+    for mask in (has_state, None):
+        got, want = read_states_triton(cache, slots, mask), read_states_torch(cache, slots, mask)
+        assert got.dtype == F32 and torch.equal(got, want)
+    assert torch.count_nonzero(got[1]) > 0 and torch.count_nonzero(read_states_triton(cache, slots, has_state)[1]) == 0
+
+    states = torch.randn(len(slots), H, P, c, dv, device=device) * columns
+    states[0, 0, 0] = 0.0                   # a zero state
+    states[1, 0, 1, :, 0] = 1e-35           # a column too small to scale: stored as zeros
+    ours, twin = cache.clone(), cache.clone()
+    write_states_triton(ours, slots, states)
+    write_states_torch(twin, slots, states)
+    if state_dtype == INT16:
+        ulp = torch.ones((), device=device)
+        assert torch.equal(ours[..., c:, :], twin[..., c:, :]), "int16 column scales and largest |S| differ"
+    else:
+        ulp = twin.float().abs() * (2**-7 if state_dtype == BF16 else 0.0)
+    assert bool(((ours.float() - twin.float()).abs() <= ulp).all())
+    if device == "cuda" or state_dtype != BF16:  # otherwise a truncation is off for half of the values
+        assert float((ours != twin).float().mean()) < 0.01
+    untouched = [i for i in range(num_slots) if i not in slots.tolist()]
+    assert torch.equal(ours[untouched], cache[untouched])
+
+    none = slots[:0]
+    write_states_triton(ours, none, states[:0])
+    assert torch.equal(ours[untouched], cache[untouched]) and read_states_triton(cache, none).shape == (0, H, P, c, dv)
+
+
+def test_prefill_through_an_int16_state_cache_vs_reference(device):
+    """What the vLLM layer does with a step's prefills: initial states read from their slots (two of them start
+    from nothing, so their slots hold another request's state), the chunked path over the varlen batch (T = 1,
+    empty and longer segments), final states written back; against the float64 token loop from the states the
+    cache held. The int16 rounding of the final states adds a part in 65,534 of each column's largest value."""
+    from kernels import read_states, states_from_cache, write_states
+    from kernels.sse import sse_reference
+    N, K = 4, 1
+    shape = SHAPES[device]
+    H, c, dv, lengths = shape["H"], shape["c"], shape["dv"], shape["lengths"]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T, S = int(cu[-1]), len(lengths)
+    inputs = exact_in_bf16_inputs(T, H, c, dv, N, S, device)
+    del inputs["initial_state"]
+    cache = partition_major_cache(torch.randn(S + 3, H, N + 1, c, dv, device=device), INT16)
+    slots = torch.randperm(S + 3, device=device)[:S]
+    has_state = torch.arange(S, device=device) % 3 != 1
+    held = states_from_cache(cache[slots]) * has_state.view(-1, 1, 1, 1, 1)
+    ref_o, ref_final = sse_reference(**{n: x.double() for n, x in inputs.items()}, top_k=K, cu_seqlens=cu,
+                                     initial_state=held.double(), output_final_state=True)
+    for dtype in shape["dtypes"]:
+        ours = cache.clone()
+        initial = read_states(ours, slots, has_state, impl="triton")
+        o, final = chunk_impl("triton_indexed", device)(**{n: x if n == "router_logits" else x.to(dtype)
+                                                          for n, x in inputs.items()}, top_k=K, cu_seqlens=cu,
+                                                       initial_state=initial, output_final_state=True)
+        write_states(ours, slots, final, impl="triton")
+        errors = {"o": rel_err(o, ref_o), "final": rel_err(states_from_cache(ours[slots]), ref_final)}
+        print(str(dtype), {n: f"{e:.1e}" for n, e in errors.items()})
+        assert max(errors.values()) < CHUNK_TOL[device][dtype], errors
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # RMSNorm, w * rmsnorm(x), and the layer's output step, w * rmsnorm(o) * silu(gate).
 
 @pytest.mark.parametrize("gated", [True, False], ids=["norm_gate", "rms_norm"])

@@ -63,6 +63,19 @@ def states_to_cache(states: torch.Tensor, dtype: torch.dtype, bound: torch.Tenso
     return torch.cat([values, floats.view(torch.int16).reshape(*top.shape[:-2], SCALE_ROWS, -1)], -2)
 
 
+def read_states_torch(cache: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The states [S, ..., c, d_v] of rows `slots` of a state cache, in float32 at least (`states_from_cache`);
+    zeros where `has_state` [S] is False (their slots are not read: a request that starts from nothing)."""
+    states = states_from_cache(cache[slots])
+    return states if has_state is None else torch.where(has_state.view(-1, *[1] * (states.dim() - 1)), states, 0)
+
+
+def write_states_torch(cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """Store states [S, ..., c, d_v] into rows `slots` of a state cache, rounded once to its dtype
+    (`states_to_cache`: int16 columns scaled by their largest |S|)."""
+    cache[slots] = states_to_cache(states, cache.dtype)
+
+
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                      shared_lora=False):

@@ -160,6 +160,22 @@ def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
     return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
 
 
+def check_state_cache(state: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
+    """A state cache the kernels can take: float32, bfloat16 or int16 [num_slots, H, P, c (+ 4 for int16), d_v] for
+    shape = (H, P, c, d_v), an int16 one with each state's rows contiguous (its scales are read as float32s)."""
+    H, P, C, V = shape
+    if state.dtype not in (torch.float32, torch.bfloat16, torch.int16):
+        raise ValueError(f"an SSE state cache must be float32, bfloat16 or int16, got {state.dtype}")
+    rows = twin.cache_rows(C, state.dtype)
+    if state.dim() != 5 or state.shape[1:] != (H, P, rows, V):
+        raise ValueError(f"state cache must be [num_slots, H, N + shared, {'c + 4' if rows > C else 'c'}, d_v] = "
+                         f"[*, {H}, {P}, {rows}, {V}], got {tuple(state.shape)}")
+    if state.dtype == torch.int16 and (state.stride(-1) != 1 or state.stride(-2) != V
+                                       or any(st % 2 for st in state.stride()[:-1])):
+        raise ValueError(f"an int16 state cache needs each state's rows contiguous (and even strides: its scales are "
+                         f"float32s), got strides {state.stride()}")
+
+
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
                       shared_lora=False, block_v=None, num_warps=None):
@@ -176,16 +192,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
-    if state.dtype not in (torch.float32, torch.bfloat16, torch.int16):
-        raise ValueError(f"the decode state cache must be float32, bfloat16 or int16, got {state.dtype}")
-    rows = twin.cache_rows(C, state.dtype)
-    if state.shape[1:] != (H, N + shared, rows, V):
-        raise ValueError(f"state must be [num_slots, H, N + shared, {'c + 4' if rows > C else 'c'}, d_v] = "
-                         f"[*, {H}, {N + shared}, {rows}, {V}], got {tuple(state.shape)}")
+    check_state_cache(state, (H, N + shared, C, V))
     fixed = state.dtype == torch.int16
-    if fixed and (state.stride(-1) != 1 or state.stride(-2) != V or any(st % 2 for st in state.stride()[:-1])):
-        raise ValueError(f"an int16 state cache needs each state's rows contiguous (and even strides: its scales are "
-                         f"float32s), got strides {state.stride()}")
     scale = C**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
