@@ -8,6 +8,8 @@
 - `chunk.py`    the training paths `sse_triton_varlen` / `sse_triton_mask`: the rows materialised by `expand.py`
                 around flash-linear-attention's `chunk_gla` (kept as baselines)
 - `decode.py`   the fused in-place decode step `sse_decode_triton`
+- `state_cache.py` a prefill's states out of and back into a decode state cache, one pass each way
+                (`read_states_triton`, `write_states_triton`)
 - `norm_gate.py` RMSNorm and the layer's output step w * rmsnorm(o) * silu(gate), forward and backward
                 (`rms_norm_triton`, `norm_gate_triton`)
 `kernels.dispatch` imports this package only when a Triton path is asked for, so `import kernels` needs
