@@ -711,12 +711,16 @@ def test_state_cache_read_and_write_match_the_twin(device, state_dtype):
     write_states_torch(twin, slots, states)
     if state_dtype == INT16:
         ulp = torch.ones((), device=device)
-        assert torch.equal(ours[..., c:, :], twin[..., c:, :]), "int16 column scales and largest |S| differ"
+        floats = [x[..., c:, :].contiguous().view(F32).reshape(*x.shape[:3], 2, dv) for x in (ours, twin)]
+        assert torch.equal(floats[0][..., 1, :], floats[1][..., 1, :]), "largest |S| differ"
+        # torch on CUDA divides by a scalar as a multiply by its reciprocal: the twin's scale may be an ulp off
+        assert torch.allclose(floats[0][..., 0, :], floats[1][..., 0, :], rtol=2**-23, atol=0), "scales differ"
     else:
         ulp = twin.float().abs() * (2**-7 if state_dtype == BF16 else 0.0)
-    assert bool(((ours.float() - twin.float()).abs() <= ulp).all())
+    values = [x[..., :c, :] for x in (ours, twin)]  # the int16 scale rows are checked above
+    assert bool(((values[0].float() - values[1].float()).abs() <= ulp[..., :c, :] if ulp.dim() else ulp).all())
     if device == "cuda" or state_dtype != BF16:  # otherwise a truncation is off for half of the values
-        assert float((ours != twin).float().mean()) < 0.01
+        assert float((values[0] != values[1]).float().mean()) < 0.01
     untouched = [i for i in range(num_slots) if i not in slots.tolist()]
     assert torch.equal(ours[untouched], cache[untouched])
 
