@@ -21,10 +21,10 @@ from kernels.triton.decode import FIXED_MAX, ROUNDER, ZERO_BELOW, check_state_ca
 @triton.jit
 def _state_tile(cache_ptr, slot_ptr, has_ptr, H, P, C, V, stride_slot, stride_head, stride_part, stride_row,
                 stride_col, MASKED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr):
-    """This program's [BLOCK_C, BLOCK_V] tile of the columns of state (s, h, p), and where it lives: the offsets
-    into the float32 [S, H, P, C, V] states, the cache pointers of the tile and of its columns' scales; then the
-    masks of the tile and of its columns in the states, and in the cache (empty where `has_ptr` says s has no
-    past, with MASKED)."""
+    """This program's [BLOCK_C, BLOCK_V] tile of the columns of state (s, h, p), and where it lives: its offsets
+    in the float32 [S, H, P, C, V] states, its pointers in the cache and its columns' scale pointers; then the
+    tile's mask in the states, and the tile's and its columns' masks in the cache (empty where `has_ptr` says s
+    has no past, with MASKED)."""
     pid, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, h, p = pid // (H * P), pid // P % H, pid % P
     live = 1
@@ -92,11 +92,11 @@ def read_states_triton(cache: torch.Tensor, slots: torch.Tensor, has_state: torc
 
 
 def write_states_triton(cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> None:
-    """Store states [S, H, P, c, d_v] (float32) into rows `slots` [S] (distinct) of `cache`."""
+    """Store states [S, H, P, c, d_v] into rows `slots` [S] (distinct) of `cache`, from float32 (the chunk paths'
+    final states are float32; another dtype is converted first)."""
     S, H, P, C, V = states.shape
     check_state_cache(cache, (H, P, C, V))
-    if states.dtype != torch.float32:
-        raise ValueError(f"states to write must be float32, got {states.dtype}")
+    states = states.float()
     grid, block_c, block_v = _launch(cache, states.shape)
     if states.numel():
         _write_kernel[grid](states.contiguous(), slots.contiguous(), cache, H, P, C, V, *cache.stride(),
