@@ -128,7 +128,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
                 n, p = md.num_decodes, md.num_prefills
                 qsl = md.query_start_loc[n:n + p + 1]
                 context = md.seq_lens[n:n + p] - (qsl[1:] - qsl[:-1])
-                steps[name].append((n, p, int(context.max()) if p else 0, layer.prefill_group))
+                steps[name].append((n, p, int(context.max()) if p else 0, layer.prefill_group,
+                                    int((context == 0).sum())))  # prefills that start from nothing
                 return recur(inputs, md, state, output)
             layer._recur = counting
         return [state_of(name, layer).is_contiguous() for layer in layers]
@@ -620,8 +621,8 @@ def test_chunked_prefill_and_mixed_batches_match_one_shot_prefill(greedy_runs, w
     """The n8k2 engine prefills at most 16 tokens per step (so prompts continue from their stored state) next to
     the decodes of other requests; its tokens matched HF's one-shot prefill above. Check those batches happened."""
     steps = worker("steps", "n8k2_row_sparse")
-    assert any(decodes and prefills for decodes, prefills, _, _ in steps), "no mixed prefill/decode batch"
-    assert any(context > 0 for _, _, context, _ in steps), "no prefill continued from a stored state"
+    assert any(decodes and prefills for decodes, prefills, *_ in steps), "no mixed prefill/decode batch"
+    assert any(context > 0 for _, _, context, *_ in steps), "no prefill continued from a stored state"
 
 
 @pytest.mark.parametrize("name", ["n4k1", "gla"])
@@ -631,7 +632,7 @@ def test_big_prefill_batches_run_in_groups_of_sequences(greedy_runs, worker, nam
     steps = worker("steps", name)
     group = steps[0][3]
     assert group == {"n4k1": 3, "gla": 15}[name]
-    assert max(prefills for _, prefills, _, _ in steps) == len(PROMPT_LENGTHS) - 1  # a 1-token prompt is a decode
+    assert max(prefills for _, prefills, *_ in steps) == len(PROMPT_LENGTHS) - 1  # a 1-token prompt is a decode
 
 
 def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
@@ -709,6 +710,23 @@ def test_new_request_starts_from_zero_state(worker, hf):
     worker("poison", name)
     ours = worker("generate", name, prompts, greedy())
     assert_matches_hf_greedy(ours, hf[name], prompts, NEW_TOKENS)
+
+
+def test_a_prefill_group_reads_the_states_of_continued_prompts_only(worker, hf):
+    """Every slot poisoned, a prompt cached, then one step prefills it again (a prefix-cache hit: it continues
+    from the cached state) beside two new prompts, in one group of 3 sequences: the group reads the continued
+    prompt's state and not the new ones' slots, which hold noise or the first request's state. All match HF."""
+    name = worker.engine("n4k1")
+    shared, a, b = prompts_for(hf[name].config.vocab_size, lengths=(530, 12, 33), seed=6)
+    worker("poison", name)
+    worker("generate", name, [shared + [5, 6, 7]], greedy(max_tokens=4))
+    before = len(worker("steps", name))
+    prompts = [shared + [8, 9], a, b]
+    ours = worker("generate", name, prompts, greedy(max_tokens=16))
+    assert ours[0]["num_cached_tokens"] > 0, "expected a prefix-cache hit"
+    assert any(context > 0 and fresh == 2 for _, _, context, _, fresh in worker("steps", name)[before:]), \
+        "no step prefilled the continued prompt beside the new ones"
+    assert_matches_hf_greedy(ours, hf[name], prompts, 16)
 
 
 def test_prefix_cache_hit_continues_from_cached_state(worker, hf):
