@@ -61,11 +61,13 @@ from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm_engine_config import state_dtype
 from sse_model.vllm_state_cache import SSEStatesSpec
 
-# Prefills run in groups of sequences whose float32 states (initial states read from their slots, final states:
-# PREFILL_STATE_COPIES of them) take at most PREFILL_STATES_BYTES; without a bound a step prefilling hundreds of
-# sequences (the n rollouts of a GRPO batch) needed several GiB per layer outside vLLM's cache (docs/vllm-backend.md,
-# "Prefill memory").
-PREFILL_STATE_COPIES = 2
+# Prefills run in groups of sequences whose float32 states take at most PREFILL_STATES_BYTES; without a bound a step
+# prefilling hundreds of sequences (the n rollouts of a GRPO batch) needed several GiB per layer outside vLLM's cache
+# (docs/vllm-backend.md, "Prefill memory"). PREFILL_STATE_COPIES per sequence: the initial states read from its slot
+# and the final ones, and two more for the chunk kernels' per-chunk states, which vLLM's memory profile does not see
+# either (for a 256-token prompt they are about four copies' bytes: its partial chunks, float32 sums and bf16
+# states), so that groups stay the size they had before the states moved in one pass.
+PREFILL_STATE_COPIES = 4
 PREFILL_STATES_BYTES = 1 << 30
 
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint. The first match
