@@ -323,8 +323,8 @@ class SSELinearAttention(nn.Module):
     one step's batch holds decodes first (one token each), then prefills. Decodes go through
     `kernels.sse_decode` on their slots in place; prefills go through varlen `kernels.sse_attention` calls (one
     per group of sequences, `PREFILL_STATES_BYTES`) from their slots' states, which get the final states back, so
-    chunked prefill and prefix-cache hits continue where the previous step stopped (slots of new requests are
-    zeroed by `SSEStateMetadataBuilder`).
+    chunked prefill and prefix-cache hits continue where the previous step stopped (new requests start from zero
+    states without reading their slots: `SSEStateMetadataBuilder`).
     """
 
     def __init__(self, config: SSEConfig, vllm_config: VllmConfig, prefix: str):
@@ -430,7 +430,7 @@ class SSELinearAttention(nn.Module):
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
                output: torch.Tensor) -> None:
         """state: this layer's [num_slots, H, N + shared, c, d_v] view of its cache entry (int16, float32 or
-        bfloat16; prefills start from float32 copies of their slots' states, `kernels.states_from_cache`). Inputs
+        bfloat16; prefills start from float32 copies of their slots' states, `kernels.read_states`). Inputs
         are views into the projections' outputs, with the shared partition's low-rank terms in place of its q and key
         logits when the layer has them; decodes
         write straight into `output`: the decode kernel reads and writes rows at any stride, takes the decay's
