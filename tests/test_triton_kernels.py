@@ -485,9 +485,8 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     slots = torch.tensor([5, -1, 0, 17, 9, -1, 31, 2], device=device)
     inputs = exact_in_bf16_inputs(len(slots), H, c, dv, N, 1, device)
     step = {n: x[0].to(F32 if n == "router_logits" else dtype) for n, x in inputs.items() if n != "initial_state"}
-    cache = states_to_cache(torch.randn(32, H, N + 1, c, dv, device=device), state_dtype)
-    if state_dtype == INT16:
-        cache = torch.empty_like(cache.transpose(1, 2)).transpose(1, 2).copy_(cache)
+    states = torch.randn(32, H, N + 1, c, dv, device=device)
+    cache = partition_major_cache(states, state_dtype) if state_dtype == INT16 else states_to_cache(states, state_dtype)
     before = cache.clone()
     state = states_from_cache(before)
     o = sse_decode_triton(cache, slots, **step, top_k=K, row_topk=row_topk)
@@ -524,7 +523,7 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
 def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
     """The int16 kernel stores round(S / s) for the updated float32 S and its new column scale s: within half a step
     (plus float32 slack from fused multiply-adds), where truncating would be up to a whole step off."""
-    from kernels import states_from_cache, states_to_cache
+    from kernels import states_from_cache
     from kernels.sse import sse_decode_torch
     from kernels.sse.decode import SCALE_ROWS
     from kernels.triton import sse_decode_triton
@@ -533,8 +532,7 @@ def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
     slots = torch.arange(B, device=device)
     inputs = exact_in_bf16_inputs(B, H, c, dv, N, 1, device)
     step = {n: x[0] for n, x in inputs.items() if n != "initial_state"}
-    cache = states_to_cache(torch.randn(B, H, N + 1, c, dv, device=device), INT16)
-    cache = torch.empty_like(cache.transpose(1, 2)).transpose(1, 2).copy_(cache)  # partition-major, as in vLLM
+    cache = partition_major_cache(torch.randn(B, H, N + 1, c, dv, device=device), INT16)  # as vLLM lays it out
     exact = states_from_cache(cache)                 # the float32 states the int16 cache holds
     held = exact.clone()
     sse_decode_torch(exact, slots, **step, top_k=K)  # their float32 update

@@ -68,7 +68,7 @@ def _write_kernel(states_ptr, slot_ptr, cache_ptr, H, P, C, V, stride_slot, stri
         tl.store(tile, S.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(cache: torch.Tensor, states_shape: tuple[int, ...]) -> tuple[tuple[int, int], int, int]:
+def _launch(states_shape: tuple[int, ...]) -> tuple[tuple[int, int], int, int]:
     """(grid, BLOCK_C, BLOCK_V): one program per state and block of columns holding all c rows (an int16 column's
     scale is its largest |S|), 4,096 values a program."""
     S, H, P, C, V = states_shape
@@ -83,7 +83,7 @@ def read_states_triton(cache: torch.Tensor, slots: torch.Tensor, has_state: torc
     C = rows - (twin.SCALE_ROWS if cache.dtype == torch.int16 else 0)
     check_state_cache(cache, (H, P, C, V))
     out = torch.empty(len(slots), H, P, C, V, dtype=torch.float32, device=cache.device)
-    grid, block_c, block_v = _launch(cache, out.shape)
+    grid, block_c, block_v = _launch(out.shape)
     if out.numel():
         masked = has_state is not None
         _read_kernel[grid](cache, slots.contiguous(), has_state.to(torch.int8) if masked else slots, out, H, P, C, V,
@@ -97,7 +97,7 @@ def write_states_triton(cache: torch.Tensor, slots: torch.Tensor, states: torch.
     S, H, P, C, V = states.shape
     check_state_cache(cache, (H, P, C, V))
     states = states.float()
-    grid, block_c, block_v = _launch(cache, states.shape)
+    grid, block_c, block_v = _launch(states.shape)
     if states.numel():
         _write_kernel[grid](states.contiguous(), slots.contiguous(), cache, H, P, C, V, *cache.stride(),
                             cache.dtype == torch.int16, block_c, block_v)
