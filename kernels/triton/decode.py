@@ -29,6 +29,12 @@ ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
+def store_rounded(ptr, x, mask):
+    """Store round(x) as int16 (ties to even; |x| <= FIXED_MAX), by ROUNDER's add."""
+    tl.store(ptr, (x + ROUNDER).to(tl.int32, bitcast=True).to(tl.int16), mask=mask)
+
+
+@triton.jit
 def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, FIXED: tl.constexpr,
             PTX: tl.constexpr):
     """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
@@ -60,7 +66,7 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
     S = decay * S + key * v
     if FIXED:
         x = S * (FIXED_MAX / tl.where(bound > ZERO_BELOW, bound, 1.0))
-        tl.store(state_ptr + tile, (x + ROUNDER).to(tl.int32, bitcast=True).to(tl.int16), mask=mask)  # round(x)
+        store_rounded(state_ptr + tile, x, mask)
         tl.store(scale_ptr, bound / FIXED_MAX, mask=scale_mask)
         tl.store(scale_ptr + V, tl.max(tl.abs(S), 0)[None, :], mask=scale_mask)  # rows past C are 0
     else:

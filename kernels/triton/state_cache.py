@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.sse import decode as twin
 from kernels.triton.common import pow2
-from kernels.triton.decode import FIXED_MAX, ROUNDER, ZERO_BELOW, check_state_cache
+from kernels.triton.decode import FIXED_MAX, ZERO_BELOW, check_state_cache, store_rounded
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _write_kernel(states_ptr, slot_ptr, cache_ptr, H, P, C, V, stride_slot, stri
     if FIXED:  # `states_to_cache`'s arithmetic; each column's C rows are in this tile
         top = tl.max(tl.abs(S), 0)[None, :]
         x = S * tl.div_rn(FIXED_MAX, tl.where(top > ZERO_BELOW, top, 1.0))
-        tl.store(tile, (x + ROUNDER).to(tl.int32, bitcast=True).to(tl.int16), mask=mask)  # round(x), ties to even
+        store_rounded(tile, x, mask)
         tl.store(scales, tl.div_rn(top, FIXED_MAX), mask=columns)
         tl.store(scales + V, top, mask=columns)
     else:
