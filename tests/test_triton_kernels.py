@@ -634,6 +634,15 @@ def test_decode_row_topk_ties_keep_exactly_r_rows(device):
     assert written[:, :3].all() and not written[:, 3:].any(), written
 
 
+def test_decode_triton_rejects_keys_narrower_than_four():
+    """The token kernel's maxima row holds four floats: a key width c < 4 is refused with its name, not overrun."""
+    from kernels.triton import sse_decode_triton
+    x = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="c >= 4"):
+        sse_decode_triton(torch.zeros(1, 1, 1, 2, 4), torch.tensor([0]), x, x, torch.zeros(1, 1, 4), x,
+                          torch.zeros(1, 1), top_k=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_triton_config")
 def test_decode_cuda_graph_replay():

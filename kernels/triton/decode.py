@@ -1,11 +1,14 @@
 """Fused SSE decode step: one new token for each of a batch of sequences, states updated in place.
 
-One program per (sequence, head, block of d_v columns): it routes the token (softmax + top-K over N, cheap and
-recomputed per program so no launch or host sync is needed for routing), computes the softmax keys, then for
-each of the K selected partitions and the shared one loads its [c, BLOCK_V] state tile, decays and writes it,
-stores it back and accumulates w * q S. So each touched state is read once and written once, the other
-partitions are not touched, and a slot id of -1 masks every load and store (output 0). Shapes are all the
-launch needs: the step is CUDA-graph capturable.
+Two launches, no host sync. `_token_kernel`, one program per token (all heads): routes the token (softmax + top-K
+over N), makes its softmax keys, decays and q (and the shared partition's) and the int16 bound's largest decay and
+|key| per head, into a float32 buffer. `_decode_kernel`, one program per (sequence, head, block of d_v columns):
+reads those vectors straight into its tile's row layout, then for each of the K selected partitions and the shared
+one loads its [c, BLOCK_V] state tile, decays and writes it, stores it back and accumulates w * q S. So each
+touched state is read once and written once, the other partitions are not touched, and a slot id of -1 masks every
+state load and store (output 0). Shapes are all the launches need: the step is CUDA-graph capturable. (The token's
+vectors were made in every program before, a fixed cost per program: making them once took the int16 step from
+197 to 185 us a layer on an H200, bfloat16 from 169 to 159; bench/results/sse_decode_token_kernel_20261129.md.)
 
 Token vectors are read and the output written through their token (row) stride, so a caller's views into one
 packed projection buffer and into its output buffer go in as they are: in vLLM that saves a copy per input and
@@ -35,8 +38,8 @@ def store_rounded(ptr, x, mask):
 
 
 @triton.jit
-def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, FIXED: tl.constexpr,
-            PTX: tl.constexpr):
+def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, decay_max, key_max,
+            FIXED: tl.constexpr, PTX: tl.constexpr):
     """S <- diag(decay) S + key^T v on one [c, BLOCK_V] tile; returns q S [1, BLOCK_V]. The update is float32 in
     registers whatever the cache's dtype; a bfloat16 or int16 cache rounds it once, on the store. int16: fixed point
     with a float32 scale per column at `scale_ptr` and the column's largest |S| V floats after it
@@ -48,7 +51,7 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
     if FIXED:
         scale = tl.load(scale_ptr, mask=scale_mask, other=0.0)
         top = tl.load(scale_ptr + V, mask=scale_mask, other=0.0)
-        bound = tl.max(decay) * (top + 0.5 * scale) + tl.max(tl.abs(key)) * tl.abs(v)
+        bound = decay_max * (top + 0.5 * scale) + key_max * tl.abs(v)
     S = tl.load(state_ptr + tile, mask=mask, other=0)
     if FIXED and PTX:
         # int16 x to float32 without a conversion instruction (quarter rate): flipping x's sign bit gives x + 32768
@@ -74,13 +77,72 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, F
     return tl.sum(q * S, 0)[None, :]
 
 
+# What a decode step needs of a token besides its states, per head: the rows of `_token_kernel`'s output.
+KEYS, DECAY, QUERY, KEYS_SHARED, DECAY_SHARED, QUERY_SHARED, MAXIMA = (tl.constexpr(i) for i in range(7))
+VECTOR_ROWS = 7
+ROWS = tl.constexpr(VECTOR_ROWS)
+
+
 @triton.jit
-def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, o_ptr, scale,
-                   decay_normalizer, H, C, V, N, stride_slot, stride_head, stride_part, stride_row, stride_col,
-                   row_q, row_k, row_v, row_g, row_e, row_qs, row_ks, row_o, K: tl.constexpr,
-                   SHARED: tl.constexpr, SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr,
-                   DECAY_LOGITS: tl.constexpr, FIXED: tl.constexpr, PTX: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+def _token_kernel(q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, vec_ptr, part_ptr, decay_normalizer, H, C, N,
+                  row_q, row_k, row_g, row_e, row_qs, row_ks, K: tl.constexpr, SHARED: tl.constexpr,
+                  SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per token, all heads: its keys, decays and q (and the shared partition's) as float32 rows
+    vec [B, H, 7, C] (the six vectors, then a row whose first four floats are the int16 bound's largest decay and
+    |key|, routed then shared), its K partitions and their router weights part [B, 2K] (weights as float32 bits). Made
+    once here, not in each of `_decode_kernel`'s programs (one per head and block of columns): there the
+    softmaxes, reductions and transposes were a fixed cost per program that smaller tiles could not amortise."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    c = tl.arange(0, BLOCK_C)[None, :]
+    n = tl.arange(0, BLOCK_N)[None, :]
+    m = (h < H) & (c < C)
+    hc = h * C + c
+    z = tl.load(k_ptr + b * row_k + hc, mask=m, other=0.0)
+    keys, keep = softmax_keys(z.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+    g = tl.load(g_ptr + b * row_g + hc, mask=m, other=0.0).to(tl.float32)
+    if DECAY_LOGITS:
+        g = logsigmoid(g) / decay_normalizer
+    q = tl.load(q_ptr + b * row_q + hc, mask=m, other=0.0)
+    out = vec_ptr + b * H * ROWS * C + h * ROWS * C + c
+    decay = tl.exp(tl.where(keep, g, 0.0))             # 1 on the tile's padding rows past C, as before
+    tl.store(out + KEYS * C, keys, mask=m)
+    tl.store(out + DECAY * C, decay, mask=m)
+    tl.store(out + QUERY * C, q.to(tl.float32), mask=m)
+    # the int16 bound's largest decay and |key| per head (routed keys times their weight w_p > 0 keep the order)
+    heads = tl.arange(0, BLOCK_H)
+    maxima = vec_ptr + b * H * ROWS * C + heads * ROWS * C + MAXIMA * C
+    tl.store(maxima, tl.max(decay, 1), mask=heads < H)
+    tl.store(maxima + 1, tl.max(tl.abs(keys), 1), mask=heads < H)
+    if SHARED:
+        z_s = tl.load(ks_ptr + b * row_ks + hc, mask=m, other=0.0)
+        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=m, other=0.0)
+        if SHARED_LORA:  # the low-rank terms, added to the routed q and key logits in the inputs' dtype
+            z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
+            q_s = (q.to(tl.float32) + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+        decay_s = tl.exp(tl.where(keep_s, g, 0.0))
+        tl.store(out + KEYS_SHARED * C, keys_s, mask=m)
+        tl.store(out + DECAY_SHARED * C, decay_s, mask=m)
+        tl.store(maxima + 2, tl.max(decay_s, 1), mask=heads < H)
+        tl.store(maxima + 3, tl.max(tl.abs(keys_s), 1), mask=heads < H)
+        tl.store(out + QUERY_SHARED * C, q_s.to(tl.float32), mask=m)
+    logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)
+    w = router_softmax(logits, n, N)
+    scores = tl.where(n < N, logits, float("-inf"))
+    for i in tl.static_range(K):
+        p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
+        w_p = tl.sum(tl.where(n == p, w, 0.0), 1, keep_dims=True)
+        tl.store(part_ptr + b * 2 * K + i + tl.zeros([1, 1], tl.int64), p)
+        tl.store(part_ptr + b * 2 * K + K + i + tl.zeros([1, 1], tl.int64), w_p.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, H, C, V, N, stride_slot,
+                   stride_head, stride_part, stride_row, stride_col, row_v, row_o, K: tl.constexpr,
+                   SHARED: tl.constexpr, FIXED: tl.constexpr, PTX: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
     # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
     # faster with bfloat16 caches at batch 256-1024, 1-2 % with float32;
@@ -91,24 +153,13 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     h = pid // blocks_v % H
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = slot >= 0
-    c = tl.arange(0, BLOCK_C)[None, :]
     d = pid % blocks_v * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-    n = tl.arange(0, BLOCK_N)[None, :]
-    hc = h * C + c                                     # within a token's row: heads, then c (or d_v) contiguous
-    # Token vectors are loaded as rows [1, C] for the softmax helpers and transposed into columns [C, 1] to
-    # scale the state's rows.
-    z = tl.load(k_ptr + b * row_k + hc, mask=c < C, other=0.0)
-    keys, keep = softmax_keys(z.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
-    g = tl.load(g_ptr + b * row_g + hc, mask=c < C, other=0.0).to(tl.float32)
-    if DECAY_LOGITS:
-        g = logsigmoid(g) / decay_normalizer
-    q = tl.load(q_ptr + b * row_q + hc, mask=c < C, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
-    logits = tl.load(e_ptr + b * row_e + n, mask=n < N, other=0.0).to(tl.float32)
-    w = router_softmax(logits, n, N)
-    scores = tl.where(n < N, logits, float("-inf"))
-
     r = tl.arange(0, BLOCK_C)[:, None]                 # state rows
+    # The token's vectors, read straight into the tile's row layout [BLOCK_C, 1] (`_token_kernel`)
+    vec = vec_ptr + b * H * ROWS * C + h * ROWS * C + r
+    rows = r < C
+    v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
+
     tile = r * stride_row + d * stride_col             # [BLOCK_C, BLOCK_V] offsets inside one state
     mask = (r < tl.where(live, C, 0)) & (d < V)       # a skipped row (slot -1) loads and stores nothing
     base = state_ptr + slot * stride_slot + h * stride_head
@@ -116,25 +167,22 @@ def _decode_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_pt
     # checked on the host)
     scales = (base + C * stride_row).to(tl.pointer_type(tl.float32)) + d
     scale_mask = d < tl.where(live, V, 0)
-    decay = tl.trans(tl.exp(tl.where(keep, g, 0.0)))
     acc = tl.zeros([1, BLOCK_V], tl.float32)
-    for _ in tl.static_range(K):
-        p, scores = top1(scores, n, BLOCK_N)           # [1, 1]
-        w_p = tl.sum(tl.where(n == p, w, 0.0))
-        p = tl.sum(p)                                  # scalar partition index
-        acc += w_p * _update(base + p * stride_part, tile, mask, decay, tl.trans(w_p * keys), v, tl.trans(q),
-                             scales + p * stride_part // 2, scale_mask, V, FIXED, PTX)
+    keys = tl.load(vec + KEYS * C, mask=rows, other=0.0)
+    decay = tl.load(vec + DECAY * C, mask=rows, other=1.0)
+    q = tl.load(vec + QUERY * C, mask=rows, other=0.0)
+    maxima = vec_ptr + b * H * ROWS * C + h * ROWS * C + MAXIMA * C
+    for i in tl.static_range(K):
+        p = tl.load(part_ptr + b * 2 * K + i)
+        w_p = tl.load(part_ptr + b * 2 * K + K + i).to(tl.float32, bitcast=True)
+        acc += w_p * _update(base + p * stride_part, tile, mask, decay, w_p * keys, v, q,
+                             scales + p * stride_part // 2, scale_mask, V, tl.load(maxima),
+                             w_p * tl.load(maxima + 1), FIXED, PTX)
     if SHARED:
-        z_s = tl.load(ks_ptr + b * row_ks + hc, mask=c < C, other=0.0)
-        q_s = tl.load(qs_ptr + b * row_qs + hc, mask=c < C, other=0.0)
-        if SHARED_LORA:  # the low-rank terms, added to the routed q and key logits in the inputs' dtype
-            z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
-            q_s = (q + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
-        keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
-        decay_s = tl.trans(tl.exp(tl.where(keep_s, g, 0.0)))
-        acc += _update(base + N * stride_part, tile, mask, decay_s, tl.trans(keys_s), v,
-                       tl.trans(q_s.to(tl.float32)), scales + N * stride_part // 2, scale_mask, V,
-                       FIXED, PTX)
+        acc += _update(base + N * stride_part, tile, mask, tl.load(vec + DECAY_SHARED * C, mask=rows, other=1.0),
+                       tl.load(vec + KEYS_SHARED * C, mask=rows, other=0.0), v,
+                       tl.load(vec + QUERY_SHARED * C, mask=rows, other=0.0), scales + N * stride_part // 2,
+                       scale_mask, V, tl.load(maxima + 2), tl.load(maxima + 3), FIXED, PTX)
     o = tl.where(live, scale * acc, 0.0)
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
@@ -198,6 +246,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
+    if C < 4:  # `_token_kernel`'s maxima row holds four floats
+        raise ValueError(f"sse_decode_triton needs c >= 4 (q is [B, H, c]), got c = {C}")
     check_state_cache(state, (H, N + shared, C, V))
     fixed = state.dtype == torch.int16
     scale = C**-0.5 if scale is None else scale
@@ -213,9 +263,13 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
+        vec = torch.empty(B, H, VECTOR_ROWS, C, dtype=torch.float32, device=v.device)
+        part = torch.empty(B, 2 * top_k, dtype=torch.int32, device=v.device)
+        _token_kernel[(B,)](*args[:2], args[3], args[4], *shared_args, vec, part, decay_normalizer or 1.0, H, C, N,
+                            *(x.stride(0) for x in (args[0], args[1], args[3], args[4], *shared_args)), top_k,
+                            shared, shared and shared_lora, row_topk or 0, decay_normalizer is not None, pow2(H),
+                            block_c, pow2(N), num_warps=4)
         _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
-            state, slot_ids.contiguous(), *args, *shared_args, out, scale, decay_normalizer or 1.0, H, C, V, N,
-            *state.stride(), *(x.stride(0) for x in (*args, *shared_args, out)), top_k, shared, shared and shared_lora,
-            row_topk or 0, decay_normalizer is not None, fixed, ptx, block_c, block_v, pow2(N),
-            num_warps=num_warps)
+            state, slot_ids.contiguous(), vec, part, args[2], out, scale, H, C, V, N, *state.stride(),
+            args[2].stride(0), out.stride(0), top_k, shared, fixed, ptx, block_c, block_v, num_warps=num_warps)
     return out
