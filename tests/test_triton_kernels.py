@@ -520,6 +520,32 @@ def test_decode_vs_reference(device, N, K, dtype, state_dtype, row_topk):
     assert torch.equal(cache[untouched], before[untouched]), "slots outside the batch changed"
 
 
+@pytest.mark.parametrize("state_dtype", [F32, INT16], ids=["f32-state", "int16-state"])
+def test_decode_launches_agree_with_the_twin(device, state_dtype):
+    """Every launch override (state columns per program x warps) updates the same states: d_v = 40 over blocks of
+    8 / 16 / 32 columns (the last block partial), against the torch twin on the same cache. The default launches
+    cover a state with one block of columns at the CPU's shapes; a GPU's d_v = 128 runs two or more."""
+    from kernels import states_from_cache, states_to_cache
+    from kernels.sse import sse_decode_torch
+    from kernels.triton import sse_decode_triton
+    H, c, dv, N, K = SHAPES[device]["H"], SHAPES[device]["c"], 40, 4, 1
+    slots = torch.tensor([5, -1, 0, 3], device=device)
+    step = {n: x[0] for n, x in exact_in_bf16_inputs(len(slots), H, c, dv, N, 1, device).items()
+            if n != "initial_state"}
+    states = torch.randn(8, H, N + 1, c, dv, device=device)
+    before = partition_major_cache(states, INT16) if state_dtype == INT16 else states_to_cache(states, state_dtype)
+    twin = before.clone()
+    twin_o = sse_decode_torch(twin, slots, **step, top_k=K)
+    for block_v, warps in ((8, 1), (16, 2), (32, 4)):
+        cache = before.clone()
+        o = sse_decode_triton(cache, slots, **step, top_k=K, block_v=block_v, num_warps=warps)
+        ours, theirs = states_from_cache(cache), states_from_cache(twin)
+        # float32: the same arithmetic; int16: two steps of the column's largest value (see test_decode_vs_reference)
+        bound = 1e-5 if state_dtype == F32 else 2 * torch.maximum(ours.abs(), theirs.abs()).amax(-2, True) / 32767
+        assert bool(((ours - theirs).abs() <= bound + 1e-5).all()), (block_v, warps)
+        assert rel_err(o, twin_o) < 1e-5, (block_v, warps, rel_err(o, twin_o))
+
+
 def test_int16_decode_rounds_each_value_to_the_nearest_step(device):
     """The int16 kernel stores round(S / s) for the updated float32 S and its new column scale s: within half a step
     (plus float32 slack from fused multiply-adds), where truncating would be up to a whole step off."""
