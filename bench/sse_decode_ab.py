@@ -56,7 +56,7 @@ def time_tree(launches: list[str], batch: int, heads: int) -> None:
         for name, value in constants.items():
             setattr(decode, name, value)
         state, slots, x = decode_case(batch, heads, state_dtype=getattr(torch, dtype))
-        out = torch.empty(batch, heads, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x["v"])
         ms = replay_ms(partial(decode.sse_decode_triton, state, slots, **x, top_k=1, out=out, block_v=block_v,
                                num_warps=warps, **kwargs))
         for name, value in landed.items():  # the next launch gets the module's own
