@@ -105,14 +105,15 @@ def _token_kernel(q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, vec_ptr, part_ptr,
     if DECAY_LOGITS:
         g = logsigmoid(g) / decay_normalizer
     q = tl.load(q_ptr + b * row_q + hc, mask=m, other=0.0)
-    out = vec_ptr + b * H * ROWS * C + h * ROWS * C + c
+    heads = tl.arange(0, BLOCK_H)
+    head_rows = vec_ptr + b * H * ROWS * C + heads * ROWS * C  # each head's first row
+    out = head_rows[:, None] + c
     decay = tl.exp(tl.where(keep, g, 0.0))             # 1 on the tile's padding rows past C, as before
     tl.store(out + KEYS * C, keys, mask=m)
     tl.store(out + DECAY * C, decay, mask=m)
     tl.store(out + QUERY * C, q.to(tl.float32), mask=m)
     # the int16 bound's largest decay and |key| per head (routed keys times their weight w_p > 0 keep the order)
-    heads = tl.arange(0, BLOCK_H)
-    maxima = vec_ptr + b * H * ROWS * C + heads * ROWS * C + MAXIMA * C
+    maxima = head_rows + MAXIMA * C
     tl.store(maxima, tl.max(decay, 1), mask=heads < H)
     tl.store(maxima + 1, tl.max(tl.abs(keys), 1), mask=heads < H)
     if SHARED:
@@ -156,7 +157,8 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
     d = pid % blocks_v * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     r = tl.arange(0, BLOCK_C)[:, None]                 # state rows
     # The token's vectors, read straight into the tile's row layout [BLOCK_C, 1] (`_token_kernel`)
-    vec = vec_ptr + b * H * ROWS * C + h * ROWS * C + r
+    head_rows = vec_ptr + b * H * ROWS * C + h * ROWS * C
+    vec = head_rows + r
     rows = r < C
     v = tl.load(v_ptr + b * row_v + h * V + d, mask=d < V, other=0.0).to(tl.float32)
 
@@ -171,7 +173,7 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
     keys = tl.load(vec + KEYS * C, mask=rows, other=0.0)
     decay = tl.load(vec + DECAY * C, mask=rows, other=1.0)
     q = tl.load(vec + QUERY * C, mask=rows, other=0.0)
-    maxima = vec_ptr + b * H * ROWS * C + h * ROWS * C + MAXIMA * C
+    maxima = head_rows + MAXIMA * C
     for i in tl.static_range(K):
         p = tl.load(part_ptr + b * 2 * K + i)
         w_p = tl.load(part_ptr + b * 2 * K + K + i).to(tl.float32, bitcast=True)
