@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ def time_tree(launches: list[str], batch: int, heads: int) -> None:
     import torch
 
     from kernels.triton import decode
-    from sse_decode_launch import decode_case, replay_ms
+    from sse_decode_launch import time_launch
 
     accepted = inspect.signature(decode.sse_decode_triton).parameters
     for spec in launches:
@@ -55,13 +54,10 @@ def time_tree(launches: list[str], batch: int, heads: int) -> None:
         landed = {name: getattr(decode, name) for name in constants}
         for name, value in constants.items():
             setattr(decode, name, value)
-        state, slots, x = decode_case(batch, heads, state_dtype=getattr(torch, dtype))
-        out = torch.empty_like(x["v"])
-        ms = replay_ms(partial(decode.sse_decode_triton, state, slots, **x, top_k=1, out=out, block_v=block_v,
-                               num_warps=warps, **kwargs))
+        us, _ = time_launch(batch, heads, 4, 128, 128, getattr(torch, dtype), block_v, warps, **kwargs)
         for name, value in landed.items():  # the next launch gets the module's own
             setattr(decode, name, value)
-        print(json.dumps(dict(launch=spec, us=ms * 1e3)), flush=True)
+        print(json.dumps(dict(launch=spec, us=us)), flush=True)
 
 
 def patched_tree(patch: Path, into: Path) -> Path:

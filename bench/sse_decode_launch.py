@@ -59,12 +59,14 @@ def state_bytes(state, batch) -> int:
     return 2 * batch * H * 2 * c * dv * state.element_size()
 
 
-def time_launch(batch, H, N, c, dv, dtype, block_v, warps) -> tuple[float, float]:
-    """(us per layer, GB/s of state traffic) of the decode kernel launched with BLOCK_V and warps."""
+def time_launch(batch, H, N, c, dv, dtype, block_v, warps, **launch) -> tuple[float, float]:
+    """(us per layer, GB/s of state traffic) of the decode kernel launched with BLOCK_V and warps (and any other
+    keyword `sse_decode_triton` takes, for bench/sse_decode_ab.py's variants)."""
     from kernels.triton import sse_decode_triton
     state, slots, x = decode_case(batch, H, N, c, dv, dtype)
     out = torch.empty(batch, H, dv, device="cuda", dtype=torch.bfloat16)
-    ms = replay_ms(lambda: sse_decode_triton(state, slots, **x, top_k=1, out=out, block_v=block_v, num_warps=warps))
+    ms = replay_ms(lambda: sse_decode_triton(state, slots, **x, top_k=1, out=out, block_v=block_v, num_warps=warps,
+                                             **launch))
     return ms * 1e3, state_bytes(state, batch) / ms / 1e6
 
 
