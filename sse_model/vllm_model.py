@@ -54,12 +54,13 @@ from vllm.v1.attention.backends.linear_attn import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.selector import get_attn_backend
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm_engine_config import state_dtype
-from sse_model.vllm_state_cache import SSEStatesSpec
+from sse_model.vllm_state_cache import SSEAttentionSpec, SSEStatesSpec
 
 # Prefills run in groups of sequences whose float32 states take at most PREFILL_STATES_BYTES; without a bound a step
 # prefilling hundreds of sequences (the n rollouts of a GRPO batch) needed several GiB per layer outside vLLM's cache
@@ -180,6 +181,14 @@ def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
                 f"{backend.get_name()}: {backend.get_supported_head_sizes()}")
 
 
+class HybridAttention(Attention):
+    """vLLM's Attention, its cache spec under `SSEAttentionSpec` (the scheduler's `SSEAttentionManager`)."""
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        spec = super().get_kv_cache_spec(vllm_config)
+        return SSEAttentionSpec.of(spec) if type(spec) is FullAttentionSpec else spec
+
+
 class SSEAttention(nn.Module):
     """Softmax attention on vLLM's paged KV cache: RoPE from `rope_parameters`, GQA, optional q/k norms and
     qkv bias (the HF `SSEAttention`)."""
@@ -201,7 +210,7 @@ class SSEAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+        self.attn = HybridAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

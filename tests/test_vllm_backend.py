@@ -198,32 +198,36 @@ def _serve(read_fd: int, write_fd: int) -> None:
     checks = {}
 
     def check_states_manager(name):
-        """From now on, every call the engine's SSEStatesManager answers by its fast path is also put to vLLM's
-        MambaManager, which must give the same answer and change nothing; returns the manager classes and modes."""
-        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+        """From now on, every call the engine's SSEStatesManager or SSEAttentionManager answers by its fast path is
+        also put to vLLM's MambaManager or FullAttentionManager, which must give the same answer and change
+        nothing; returns the manager classes and modes."""
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
-        from sse_model.vllm_state_cache import SSEStatesManager
-        counts = checks.setdefault(name, dict(fast=0, disagreed=0))
+        from sse_model.vllm_state_cache import SSEAttentionManager, SSEStatesManager
+        counts = checks.setdefault(name, dict(fast=0, disagreed=0, attention_fast=0, attention_disagreed=0))
+
+        def checked(m, method, ours, theirs, fast, key):
+            hits = method == "get_num_blocks_to_allocate"  # its third argument: prefix-cache hits
+
+            def call(request_id, tokens, *args, **kwargs):
+                if not fast(request_id, tokens) or (hits and args[0]):
+                    return ours(m, request_id, tokens, *args, **kwargs)
+                counts[key] += 1
+                blocks = list(m.req_to_blocks[request_id])
+                answer = ours(m, request_id, tokens, *args, **kwargs)
+                counts[key.replace("fast", "disagreed")] += (theirs(m, request_id, tokens, *args, **kwargs) != answer
+                                                             or m.req_to_blocks[request_id] != blocks)
+                return answer
+            setattr(m, method, call)
         for m in managers(name):
-            if not isinstance(m, SSEStatesManager):
-                continue
-
-            def checked(method, m=m):
-                ours, theirs = getattr(SSEStatesManager, method), getattr(MambaManager, method)
-                hits = method == "get_num_blocks_to_allocate"  # its third argument: prefix-cache hits
-
-                def call(request_id, tokens, *args, **kwargs):
-                    if not m._holds_its_block(request_id, tokens) or (hits and args[0]):
-                        return ours(m, request_id, tokens, *args, **kwargs)
-                    counts["fast"] += 1
-                    blocks = list(m.req_to_blocks[request_id])
-                    answer = ours(m, request_id, tokens, *args, **kwargs)
-                    counts["disagreed"] += (theirs(m, request_id, tokens, *args, **kwargs) != answer
-                                            or m.req_to_blocks[request_id] != blocks)
-                    return answer
-                return call
-            for method in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks"):
-                setattr(m, method, checked(method))
+            if isinstance(m, SSEStatesManager):
+                for method in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks"):
+                    checked(m, method, getattr(SSEStatesManager, method), getattr(MambaManager, method),
+                            m._holds_its_block, "fast")
+            elif isinstance(m, SSEAttentionManager):
+                checked(m, "get_num_blocks_to_allocate", SSEAttentionManager.get_num_blocks_to_allocate,
+                        FullAttentionManager.get_num_blocks_to_allocate,
+                        lambda request_id, _, m=m: bool(m.req_to_blocks.get(request_id)), "attention_fast")
         return [(type(m).__name__, getattr(m, "mamba_cache_mode", None)) for m in managers(name)]
 
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
@@ -638,16 +642,18 @@ def test_big_prefill_batches_run_in_groups_of_sequences(greedy_runs, worker, nam
 def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
     """Generations longer than the tiny cache allows: requests are preempted and recomputed, their slots reused.
     The engine runs with prefix caching off, as vLLM runs a hybrid on a GPU, so the scheduler's SSEStatesManager
-    answers running requests by its fast path: each of those answers is checked against vLLM's MambaManager."""
+    answers running requests by its fast path, as does SSEAttentionManager: each of those answers is checked against
+    vLLM's MambaManager or FullAttentionManager."""
     name = worker.engine("n8k2_row_sparse")
     managers = worker("check_states_manager", name)
-    assert sorted(managers) == [("FullAttentionManager", None), ("SSEStatesManager", "none")], managers
+    assert sorted(managers) == [("SSEAttentionManager", None), ("SSEStatesManager", "none")], managers
     prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
     ours = worker("generate", name, prompts, greedy(max_tokens=380))
     assert worker("preemptions", name) > 0
     assert_matches_hf_greedy(ours, hf[name], prompts, 380)
     checks = worker("states_manager_checks", name)
     assert checks["fast"] > 1000 and checks["disagreed"] == 0, checks
+    assert checks["attention_fast"] > 500 and checks["attention_disagreed"] == 0, checks
 
 
 def test_sampling_n8_requests_never_share_state(worker, hf):
