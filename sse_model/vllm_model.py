@@ -210,8 +210,8 @@ class SSEAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
-        self.attn = HybridAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-                              cache_config=cache_config, prefix=f"{prefix}.attn")
+        self.attn = HybridAttention(self.num_heads, self.head_dim, self.head_dim**-0.5,
+                                    num_kv_heads=self.num_kv_heads, cache_config=cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
