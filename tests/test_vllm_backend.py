@@ -197,7 +197,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
 
     checks = {}
 
-    def check_states_manager(name):
+    def check_cache_managers(name):
         """From now on, every call the engine's SSEStatesManager or SSEAttentionManager answers by its fast path is
         also put to vLLM's MambaManager or FullAttentionManager, which must give the same answer and change
         nothing; returns the manager classes and modes."""
@@ -231,8 +231,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
         return [(type(m).__name__, getattr(m, "mamba_cache_mode", None)) for m in managers(name)]
 
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
-                    cache_groups=cache_groups, check_states_manager=check_states_manager,
-                    states_manager_checks=lambda name: checks[name],
+                    cache_groups=cache_groups, check_cache_managers=check_cache_managers,
+                    cache_manager_checks=lambda name: checks[name],
                     state_dtypes=lambda name: [str(state_of(name, layer).dtype) for layer in sse_layers(name)],
                     steps=lambda name: steps.get(name, []), preemptions=preemptions, registry=registry,
                     servable=servable, parity=lambda name, ids: logprob_parity(engines[name], twins[name], ids))
@@ -645,13 +645,13 @@ def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
     answers running requests by its fast path, as does SSEAttentionManager: each of those answers is checked against
     vLLM's MambaManager or FullAttentionManager."""
     name = worker.engine("n8k2_row_sparse")
-    managers = worker("check_states_manager", name)
+    managers = worker("check_cache_managers", name)
     assert sorted(managers) == [("SSEAttentionManager", None), ("SSEStatesManager", "none")], managers
     prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
     ours = worker("generate", name, prompts, greedy(max_tokens=380))
     assert worker("preemptions", name) > 0
     assert_matches_hf_greedy(ours, hf[name], prompts, 380)
-    checks = worker("states_manager_checks", name)
+    checks = worker("cache_manager_checks", name)
     assert checks["fast"] > 1000 and checks["disagreed"] == 0, checks
     assert checks["attention_fast"] > 500 and checks["attention_disagreed"] == 0, checks
 
