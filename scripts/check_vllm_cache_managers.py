@@ -1,6 +1,6 @@
 """Check the plugin's cache-group managers against another vLLM release's scheduler code, on any machine: the
 registry entries resolve, and SSEStatesManager / SSEAttentionManager give MambaManager's / FullAttentionManager's
-answers and block tables over 3,000 random steps of prefill chunks, decodes, finished and preempted requests, with
+answers, block tables and new blocks to zero over 3,000 random steps of prefill chunks, decodes, finished and preempted requests, with
 prefix caching off (sse_model/vllm_state_cache.py).
 
     unzip -q WHEELHOUSE/part-*/vllm-stripped-*.zip 'vllm/*' -d /tmp/vllm025    # the GPU node's vLLM 0.25
@@ -74,7 +74,7 @@ for spec, ours_cls, base_manager, our_manager in CASES:
             n = m.get_num_blocks_to_allocate(rid, done + new, [], done, done + new)
             blocks = m.allocate_new_blocks(rid, done + new, done + new)
             answers.append((n, [b.block_id for b in blocks], [b.block_id for b in m.req_to_blocks[rid]],
-                            m.block_pool.get_num_free_blocks()))
+                            m.block_pool.get_num_free_blocks(), m.take_new_block_ids()))  # the last: to zero
         assert answers[0] == answers[1], (step, rid, answers)
         computed[rid] = done + new
     print(f"OK: 3000 scheduler steps, {fast} calls of running requests answered alike by {base_manager.__name__} "

@@ -89,7 +89,17 @@ class SSEAttentionSpec(FullAttentionSpec):
 
 class SSEAttentionManager(FullAttentionManager):
     """vLLM's FullAttentionManager; a request that holds blocks and brings no prefix-cache hits is told how many
-    more it needs without the long path (the leading arguments are read as SSEStatesManager reads them)."""
+    more it needs without the long path (the leading arguments are read as SSEStatesManager reads them).
+
+    Built over vLLM's own FullAttentionSpec (`SSEAttentionSpec` only picks this class in the registry): vLLM 0.25
+    records a group's new blocks for zeroing only when its spec's type is exactly one of its own
+    (`type(spec) in (FullAttentionSpec, ...)`), and a hybrid's attention pages are its states' pages too, so an
+    unzeroed page reused for KV held a freed state's bytes, which attention reads past a sequence's end (times a
+    zero weight: NaN from float32 states' bits) -- the float32-state engine on an H200 stopped on an illegal
+    address after its first batch."""
+
+    def __init__(self, kv_cache_spec, *args, **kwargs):
+        super().__init__(_same_fields(FullAttentionSpec, kv_cache_spec), *args, **kwargs)
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs) -> int:
         blocks = self.req_to_blocks.get(request_id)

@@ -123,6 +123,22 @@ def test_routing_counting_sort(device, N, K, shared, lengths):
     assert torch.equal(row_token.long(), want_row_token), "row -> token"
 
 
+def test_routing_nan_logits_pick_real_partitions(device):
+    """Router logits gone NaN route to real partitions: a NaN counts as the largest score (torch.topk's order), and
+    a row of NaNs takes the lowest indices; the rows and groups stay consistent (no partition past N)."""
+    from kernels.triton.routing import route_varlen
+    N, K = 3, 2
+    logits = torch.randn(6, N, device=device)
+    logits[1, 2] = logits[4, 0] = float("nan")
+    logits[3] = float("nan")
+    idx, pos, cu, part, row_token = route_varlen(logits, torch.tensor([0, 6], device=device), K, True)
+    assert torch.equal(idx[3].long(), torch.arange(K, device=device)), idx
+    rows = [0, 1, 2, 4, 5]
+    assert torch.equal(idx[rows].long(), logits[rows].topk(K, 1).indices), idx
+    assert int(cu[-1]) == 6 * (K + 1) and bool((cu.diff() >= 0).all()), cu
+    assert torch.equal(torch.sort(row_token.long()).values, torch.arange(6, device=device).repeat_interleave(K + 1))
+
+
 @pytest.mark.parametrize("lengths", [[0], [5, 0, 70, 1], None],  # None: 60 random segments, 300 groups
                          ids=["empty", "short", "more-groups-and-slots-than-a-program-takes"])
 def test_chunk_index(device, lengths):
@@ -659,6 +675,25 @@ def test_decode_row_topk_ties_keep_exactly_r_rows(device):
                impl="triton")
     written = cache[0, 0].abs().sum(-1) > 0
     assert written[:, :3].all() and not written[:, 3:].any(), written
+
+
+def test_decode_nan_router_logits_stay_in_their_state(device):
+    """A token whose router logits are all NaN updates its own state's lowest partition (with NaN) and nothing
+    else: not the idle slot after its state, where a partition index past N would land (N = 3 + shared)."""
+    from kernels import sse_decode
+    H, c, dv, N = 2, 8, 4, 3
+    ins = random_inputs(2, 1, H, c, dv, N, True, 3, F32, device)
+    cache = ins.pop("initial_state").detach().contiguous()
+    step = {n: x.detach()[:, 0] for n, x in ins.items()}
+    step["router_logits"][0] = float("nan")
+    before = cache.clone()
+    sse_decode(cache, torch.tensor([0, 2], device=device), **step, top_k=1, impl="triton")
+    assert torch.equal(cache[1], before[1]), "the idle slot between the two tokens' slots was written"
+    assert cache[0, :, 0].isnan().all() and torch.equal(cache[0, :, 1:N], before[0, :, 1:N])
+    expect = before[2:].clone()
+    sse_decode(expect, torch.tensor([0], device=device), **{n: x[1:] for n, x in step.items()}, top_k=1,
+               impl="torch")
+    assert rel_err(cache[2], expect[0]) < 1e-5, "the other token's state"
 
 
 def test_decode_triton_rejects_keys_narrower_than_four():

@@ -228,7 +228,8 @@ def _serve(read_fd: int, write_fd: int) -> None:
                 checked(m, "get_num_blocks_to_allocate", SSEAttentionManager.get_num_blocks_to_allocate,
                         FullAttentionManager.get_num_blocks_to_allocate,
                         lambda request_id, _, m=m: bool(m.req_to_blocks.get(request_id)), "attention_fast")
-        return [(type(m).__name__, getattr(m, "mamba_cache_mode", None)) for m in managers(name)]
+        return [(type(m).__name__, getattr(m, "mamba_cache_mode", None), type(m.kv_cache_spec).__name__)
+                for m in managers(name)]
 
     commands = dict(start=start, generate=generate, push=push, poison=poison, direct_load=direct_load,
                     cache_groups=cache_groups, check_cache_managers=check_cache_managers,
@@ -643,10 +644,12 @@ def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
     """Generations longer than the tiny cache allows: requests are preempted and recomputed, their slots reused.
     The engine runs with prefix caching off, as vLLM runs a hybrid on a GPU, so the scheduler's SSEStatesManager
     answers running requests by its fast path, as does SSEAttentionManager: each of those answers is checked against
-    vLLM's MambaManager or FullAttentionManager."""
+    vLLM's MambaManager or FullAttentionManager. SSEAttentionManager holds vLLM's own FullAttentionSpec: vLLM 0.25
+    marks new blocks for zeroing by the spec's exact type (scripts/check_vllm_cache_managers.py checks that there)."""
     name = worker.engine("n8k2_row_sparse")
     managers = worker("check_cache_managers", name)
-    assert sorted(managers) == [("SSEAttentionManager", None), ("SSEStatesManager", "none")], managers
+    assert sorted(managers) == [("SSEAttentionManager", None, "FullAttentionSpec"),
+                                ("SSEStatesManager", "none", "SSEStatesSpec")], managers
     prompts = prompts_for(hf[name].config.vocab_size, lengths=(3, 40, 17, 120, 64, 1, 33, 80), seed=1)
     ours = worker("generate", name, prompts, greedy(max_tokens=380))
     assert worker("preemptions", name) > 0

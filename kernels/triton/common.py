@@ -29,9 +29,12 @@ def router_softmax(logits, n, N):
 @triton.jit
 def top1(scores, n, BLOCK_N: tl.constexpr):
     """Index of the largest score along axis 1 (lowest index on ties), and scores with it removed,
-    so calling it K times walks the top-K in order."""
-    best = tl.max(scores, 1, keep_dims=True)
-    index = tl.min(tl.where(scores == best, n, BLOCK_N), 1, keep_dims=True)
+    so calling it K times walks the top-K in order. A NaN counts as the largest score, as in torch.topk: the index
+    is always a real column, so a token whose router logits went NaN updates (with NaN) states of its own instead of
+    addressing partition BLOCK_N, past its state (no score would have equalled a NaN maximum)."""
+    ranked = tl.where(scores != scores, float("inf"), scores)
+    best = tl.max(ranked, 1, keep_dims=True)
+    index = tl.min(tl.where(ranked == best, n, BLOCK_N), 1, keep_dims=True)
     return index, tl.where(n == index, float("-inf"), scores)
 
 
