@@ -1,7 +1,7 @@
 """Check the plugin's cache-group managers against another vLLM release's scheduler code, on any machine: the
 registry entries resolve, and SSEStatesManager / SSEAttentionManager give MambaManager's / FullAttentionManager's
-answers, block tables and new blocks to zero over 3,000 random steps of prefill chunks, decodes, finished and preempted requests, with
-prefix caching off (sse_model/vllm_state_cache.py).
+answers, block tables and new blocks to zero over 3,000 random steps of prefill chunks, decodes, finished and
+preempted requests, with prefix caching off (sse_model/vllm_state_cache.py).
 
     unzip -q WHEELHOUSE/part-*/vllm-stripped-*.zip 'vllm/*' -d /tmp/vllm025    # the GPU node's vLLM 0.25
     PYTHONPATH=/tmp/vllm025:. python scripts/check_vllm_cache_managers.py
