@@ -93,10 +93,9 @@ class SSEAttentionManager(FullAttentionManager):
 
     Built over vLLM's own FullAttentionSpec (`SSEAttentionSpec` only picks this class in the registry): vLLM 0.25
     records a group's new blocks for zeroing only when its spec's type is exactly one of its own
-    (`type(spec) in (FullAttentionSpec, ...)`), and a hybrid's attention pages are its states' pages too, so an
-    unzeroed page reused for KV held a freed state's bytes, which attention reads past a sequence's end with a zero
-    weight (NaN where a float32 state's bits read as a NaN): the float32-state engine on an H200 stopped on an
-    illegal address in its second batch (bench/results/vllm_attention_zeroing_20261129.md)."""
+    (`type(spec) in (FullAttentionSpec, ...)`), and a hybrid's attention pages are its states' pages too: without
+    the zeroing a page reused for KV kept a freed state's bytes, and the float32-state engine on an H200 stopped on
+    an illegal address in its second batch (bench/results/vllm_attention_zeroing_20261129.md)."""
 
     def __init__(self, kv_cache_spec, *args, **kwargs):
         super().__init__(_same_fields(FullAttentionSpec, kv_cache_spec), *args, **kwargs)
