@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 
 def _same_fields(cls, spec):
-    """`spec` as an instance of its subclass `cls`, field for field."""
+    """`spec` as an instance of `cls`, field for field: a spec type of ours from vLLM's, or back (same fields)."""
     return cls(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init})
 
 
