@@ -2,18 +2,18 @@
 run, vLLM's default engine (engine-core process, torch.compile, CUDA graphs, chunked prefill, async scheduling).
 
     python bench/vllm_rollouts.py [--shape small|1b] [--lengths 1024 4096 16384] [--prompts 32] [--n 8]
-                                  [--out bench/results] [--add EARLIER.json ...]
+                                  [--repeats R] [--interleave] [--out bench/results] [--add EARLIER.json ...]
 
 Shapes: `small` (12 layers of 1024, where the first GPU measurement was made; at ~0.2B parameters a decode step
 is mostly vLLM's host-side work for both models) and `1b` (24 layers of 2048, 16 query and 8 KV heads of 128:
 Qwen3-1.7B's width and heads at 24 layers, ~1.3B parameters, where the GPU's work dominates as in real rollouts).
 Both models have random bf16 weights (speed does not depend on them); prompts are random 256-token ids, every
 request generates exactly the asked number of tokens (ignore_eos) at temperature 1, n rollouts per prompt. Each
-model runs in its own process, so engine start (time to a ready `vllm.LLM`) is measured from a cold process and
-memory is freed between models. Reported per model: start seconds, output tokens/s per generation length,
-vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache holds), and cache
-bytes per sequence (SSE state + attention KV) from the config. `SSE-H` stores its states as vLLM's default gives
-them to a bf16 model (int16 fixed point, sse_model/vllm_engine_config.py); `SSE-H-f32-states` and
+model runs in its own process (unless `--interleave`), so engine start (time to a ready `vllm.LLM`) is measured from
+a cold process and memory is freed between models. Reported per model: start seconds, output tokens/s per
+generation length, vLLM's own "maximum concurrency" at the longest length (how many such sequences its cache
+holds), and cache bytes per sequence (SSE state + attention KV) from the config. `SSE-H` stores its states as
+vLLM's default gives them to a bf16 model (int16 fixed point, sse_model/vllm_engine_config.py); `SSE-H-f32-states` and
 `SSE-H-bf16-states` are the same SSE-H with float32 and bfloat16 states (vLLM's `mamba_ssm_cache_dtype`;
 `--models SSE-H SSE-H-f32-states Qwen3`), and `SSE-H-v1-runner` the default SSE-H on vLLM's V1 model runner
 (`VLLM_USE_V2_MODEL_RUNNER=0`; the plugin asks for V2 on a GPU). The report names each model's runner.
@@ -29,6 +29,15 @@ limit, a machine taken back) keeps the models that finished; `--add` joins them 
 tokens/s over the fastest's beside it: two 1k runs of the 1.5B on one H200 gave SSE-H 25.5k and 28.0k tokens/s
 (bench/results/vllm_states_manager_gpu_20261128.md), so one 1k figure is worth about +-5 %.
 
+`--interleave` runs all models in one process, each in its own engine on the shared GPU (`gpu_memory_utilization`
+0.9 / models each, unless `--engine` sets it), and times them in turn: each of the R rounds times every model once
+per length, the order reversed every other round, and the report adds each round's ratio to Qwen3. Without it the
+models run one after the other, and the machine's drift during the job falls on one model more than the other: in
+one 1k job on an H200 SSE-H's tokens/s fell from 34.5k to 26.2k over 12 generations of one engine while the GPU held
+a decode-like load at the same speed for two minutes (bench/results/vllm_attention_zeroing_20261129.md). Use it where
+every model's cache holds all sequences in its share (1k: yes; 4k and longer: compare the "max concurrent
+sequences" row with prompts x n).
+
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
 """
@@ -36,6 +45,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,50 +133,85 @@ def decode_bytes_per_token(name, config, weights: int, length: int, sequences: i
     return 2 * weights / sequences + touched + kv_per_token * (PROMPT_TOKENS + (length - 1) / 2)
 
 
-def worker(args) -> None:
-    """One model: start the engine, warm up, generate at each length; print one JSON line."""
-    from vllm import LLM, SamplingParams
+class Engine:
+    """One model's vllm.LLM and its generations: random 256-token prompts (a generator of its own, seeded alike
+    for every model, so all models get the same prompts in the same order), n rollouts each, exactly `length` new
+    tokens at temperature 1."""
 
-    started = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=PROMPT_TOKENS + max(args.lengths), **json.loads(args.engine))
-    start_s = time.perf_counter() - started
-    g = torch.Generator().manual_seed(0)
+    def __init__(self, name, path, args, **engine):
+        from vllm import LLM
 
-    def run(prompts, length):
-        batch = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,), generator=g).tolist()}
-                 for _ in range(prompts)]
-        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
-                                detokenize=False)
+        self.name, self.args = name, args
+        started = time.perf_counter()
+        self.llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                       max_model_len=PROMPT_TOKENS + max(args.lengths), **engine)
+        self.start_s = time.perf_counter() - started
+        self.g = torch.Generator().manual_seed(0)
+        self.timed = {}
+
+    def run(self, prompts, length) -> tuple[float, float]:
+        """(output tokens/s, seconds) of one generation."""
+        from vllm import SamplingParams
+
+        batch = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,),
+                                                    generator=self.g).tolist()} for _ in range(prompts)]
+        params = SamplingParams(n=self.args.n, temperature=1.0, max_tokens=length, min_tokens=length,
+                                ignore_eos=True, detokenize=False)
         t = time.perf_counter()
-        out = llm.generate(batch, params, use_tqdm=False)
+        out = self.llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
-        assert tokens == prompts * args.n * length, (tokens, prompts, args.n, length)
+        assert tokens == prompts * self.args.n * length, (tokens, prompts, self.args.n, length)
         return tokens / elapsed, elapsed
 
-    # Warm-up: first prefill and sampling (kernel compilation and tuning), and a prefill-only batch, whose kernels
-    # would otherwise compile inside the timed probe.
-    run(args.prompts, 64)
-    run(args.prompts, 1)
-    speed = {}
+    def warm_up(self) -> None:
+        """First prefill and sampling (kernel compilation and tuning), and a prefill-only batch, whose kernels
+        would otherwise compile inside the timed probe."""
+        self.run(self.args.prompts, 64)
+        self.run(self.args.prompts, 1)
+
+    def time_length(self, length) -> None:
+        """One timed generation of `length` tokens, after a probe of its prefill."""
+        prompts = self.args.prompts_long if length >= self.args.long_from else self.args.prompts
+        # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
+        # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
+        _, prefill_s = self.run(prompts, 1)
+        print(f"TIMED {self.name} {length} begin", flush=True)  # brackets the engine's iteration log lines
+        tps, elapsed = self.run(prompts, length)
+        print(f"TIMED {self.name} {length} end", flush=True)
+        decode_tps = prompts * self.args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
+        self.timed.setdefault(length, []).append(dict(tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s,
+                                                      decode_tokens_per_s=decode_tps))
+        print(f"[{self.name}] {prompts} x {self.args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
+              f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
+
+    def result(self) -> str:
+        """The line run_models reads: RESULT name {start, runner, the median run per length}."""
+        prompts = {length: self.args.prompts_long if length >= self.args.long_from else self.args.prompts
+                   for length in self.timed}
+        speed = {length: dict(prompts=prompts[length], **median_run(runs)) for length, runs in self.timed.items()}
+        runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        return f"RESULT {self.name} " + json.dumps(dict(start_s=self.start_s, model_runner=runner, speed=speed))
+
+
+def worker(args) -> None:
+    """The models of one worker process: start their engines, warm up, generate at each length; print a RESULT
+    line per model. One model (the default), or several in turn (`--interleave`): every round times each model
+    once per length, the order reversed every other round."""
+    engines = []
+    for name, path in zip(args.names, args.paths):
+        engine = dict(json.loads(args.engine), **MODEL_ENGINE.get(name, {}))
+        if args.interleave:  # the engines share the GPU's memory
+            engine.setdefault("gpu_memory_utilization", round(0.9 / len(args.names), 3))
+        engines.append(Engine(name, path, args, **engine))
+    for engine in engines:
+        engine.warm_up()
     for length in args.lengths:
-        prompts = args.prompts_long if length >= args.long_from else args.prompts
-        timed = []
-        for _ in range(args.repeats):
-            # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
-            # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
-            _, prefill_s = run(prompts, 1)
-            print(f"TIMED {length} begin", flush=True)  # brackets the engine's iteration log lines (`step_waits`)
-            tps, elapsed = run(prompts, length)
-            print(f"TIMED {length} end", flush=True)
-            decode_tps = prompts * args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
-            timed.append(dict(tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s, decode_tokens_per_s=decode_tps))
-            print(f"[{args.name}] {prompts} x {args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
-                  f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
-        speed[length] = dict(prompts=prompts, **median_run(timed))
-    runner = "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
-    print("RESULT " + json.dumps(dict(start_s=start_s, model_runner=runner, speed=speed)), flush=True)
+        for r in range(args.repeats):
+            for engine in engines if r % 2 == 0 else engines[::-1]:
+                engine.time_length(length)
+    for engine in engines:
+        print(engine.result(), flush=True)
 
 
 def median_run(timed: list[dict]) -> dict:
@@ -180,40 +225,54 @@ def median_run(timed: list[dict]) -> dict:
 ITERATION = re.compile(r"iteration elapsed time: ([\d.]+) ms")
 
 
-def step_waits(text: str) -> dict:
-    """Per timed length, from the engine's iteration log (engine argument `enable_logging_iteration_details`):
-    how many steps it ran and how long the engine core waited for their model outputs. With async scheduling that
-    wait is the time the GPU side was behind the host: near zero for a host-bound run; a few long waits mean
-    stalls (e.g. kernels compiling mid-run)."""
+def step_waits(text: str, name: str) -> dict:
+    """Per timed length of model `name`, from the engine's iteration log (engine argument
+    `enable_logging_iteration_details`): how many steps it ran and how long the engine core waited for their model
+    outputs. With async scheduling that wait is the time the GPU side was behind the host: near zero for a
+    host-bound run; a few long waits mean stalls (e.g. kernels compiling mid-run). The worker brackets each timed
+    generation with TIMED lines naming its model (interleaved engines take turns, so the lines between belong to
+    that model's engine)."""
     waits, length = {}, None
     for line in text.splitlines():
         if line.startswith("TIMED "):
-            _, n, edge = line.split()
-            length = n if edge == "begin" else None
+            _, model, n, edge = line.split()
+            length = n if edge == "begin" and model == name else None
         elif length and (found := ITERATION.search(line)):
             waits.setdefault(length, []).append(float(found.group(1)))
     return {n: dict(steps=len(w), waited_s=sum(w) / 1e3, longest_ms=max(w)) for n, w in waits.items()}
 
 
-def run_model(name, path, args, log: Path) -> dict:
-    engine = json.dumps({**json.loads(args.engine), **MODEL_ENGINE.get(name, {})})
-    cmd = [sys.executable, __file__, "--worker", "--name", name, "--model", str(path), "--engine", engine,
-           "--n", str(args.n), "--prompts", str(args.prompts), "--prompts-long", str(args.prompts_long),
-           "--long-from", str(args.long_from), "--repeats", str(args.repeats), "--lengths", *map(str, args.lengths)]
+def run_models(names, paths, args, log: Path) -> dict:
+    """Runs `names` (checkpoints at `paths`) in one worker process, its output to `log`; returns each model's
+    result, with vLLM's "maximum concurrency" and the engine-step waits when logged."""
+    if args.interleave and (alone := [n for n in names if n in MODEL_ENV]):
+        raise ValueError(f"{alone} need an environment of their own (MODEL_ENV): they cannot be interleaved")
+    cmd = [sys.executable, __file__, "--worker", "--names", *names, "--paths", *map(str, paths),
+           "--engine", args.engine, "--n", str(args.n), "--prompts", str(args.prompts),
+           "--prompts-long", str(args.prompts_long), "--long-from", str(args.long_from), "--repeats",
+           str(args.repeats), "--lengths", *map(str, args.lengths)] + (["--interleave"] if args.interleave else [])
+    env = dict(os.environ)
+    for name in names:
+        env.update(MODEL_ENV.get(name, {}))
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True,
-                              env={**os.environ, **MODEL_ENV.get(name, {})})
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True, env=env)
     text = log.read_text()
-    result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
-    if proc.returncode or result is None:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}); last lines of {log}:\n"
+    results = {}
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            _, name, found = line.split(" ", 2)
+            results[name] = json.loads(found)
+    if proc.returncode or set(results) != set(names):
+        raise RuntimeError(f"{', '.join(names)} failed (exit {proc.returncode}); last lines of {log}:\n"
                            + "\n".join(text.splitlines()[-30:]))
-    # vLLM logs how many sequences of max_model_len its cache holds
+    # vLLM logs how many sequences of max_model_len its cache holds, once per engine, in the order they started
     found = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.,]+)x", text)
-    result["max_concurrency"] = float(found[-1][1].replace(",", "")) if found else None
-    if waits := step_waits(text):
-        result["engine_steps"] = waits
-    return result
+    for name, result in results.items():
+        result["max_concurrency"] = float(found[names.index(name)][1].replace(",", "")) \
+            if len(found) == len(names) else None
+        if waits := step_waits(text, name):
+            result["engine_steps"] = waits
+    return results
 
 
 def main(argv=None):
@@ -233,9 +292,11 @@ def main(argv=None):
     p.add_argument("--add", type=Path, nargs="+", default=[],
                    help="JSON reports of earlier runs (same shape and lengths, e.g. on the same GPU when one device "
                         "call cannot hold every model): their models join this report's table")
+    p.add_argument("--interleave", action="store_true",
+                   help="all models in one process, their engines sharing the GPU, timed in turn")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--name", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--names", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--paths", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -243,18 +304,22 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
-    args.started = datetime.now(timezone.utc)  # names the run's one report, rewritten after each model
+    args.started = datetime.now(timezone.utc)  # names the run's one report, rewritten after each worker
     results, cfgs = {}, configs(args.shape)
+    # one worker per model, or one for all of them
+    workers = [args.models] if args.interleave else [[name] for name in args.models]
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            path = Path(tmp) / name
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(cfgs[name], dtype=torch.bfloat16).save_pretrained(path)
+        for names in workers:
+            paths = [Path(tmp) / name for name in names]
+            for name, path in zip(names, paths):
+                torch.manual_seed(0)
+                AutoModelForCausalLM.from_config(cfgs[name], dtype=torch.bfloat16).save_pretrained(path)
+            log = args.out / f"vllm_rollouts_{args.shape}_{'interleaved' if args.interleave else names[0]}.log"
             try:
-                results[name] = run_model(name, path, args, args.out / f"vllm_rollouts_{args.shape}_{name}.log")
+                results.update(run_models(names, paths, args, log))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
-                print(f"{name}: {e}", flush=True)
-                results[name] = dict(error=str(e)[-2000:])
+                print(f"{', '.join(names)}: {e}", flush=True)
+                results.update({name: dict(error=str(e)[-2000:]) for name in names})
             markdown = write_report(results, args)  # a run cut short keeps the models that finished
     print(markdown)
 
@@ -278,7 +343,7 @@ def write_report(results: dict, args) -> str:
     report = dict(date=now.isoformat(timespec="seconds"), device=device,
                   vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
                   shape=dict(SHAPES[args.shape], name=args.shape), sse=SSE, prompt_tokens=PROMPT_TOKENS, n=args.n,
-                  engine=json.loads(args.engine),
+                  engine=json.loads(args.engine), interleaved=args.interleave,
                   cache_mib_per_sequence={name: cache_bytes_per_sequence(name, cfgs[name], longest) / 2**20
                                           for name in cfgs},
                   results=results)
@@ -294,6 +359,11 @@ def write_report(results: dict, args) -> str:
              f"temperature 1; engine: vLLM defaults{' + ' + args.engine if args.engine != '{}' else ''}.", ""]
     lines += [f"{name} from the earlier run {result['from_report']}." for name, result in results.items()
               if "from_report" in result] + [""]
+    if args.interleave:
+        lines += ["Interleaved (`--interleave`): the models' engines in one process, sharing the GPU's memory "
+                  "(`gpu_memory_utilization` 0.9 / models unless set), each round timing every model once per length, "
+                  "the order reversed every other round, so a drift of the machine during the job falls on all "
+                  "alike; engine starts are one after another in that process.", ""]
     models = [m for m in MODELS if m in results and m != "Qwen3"] + ["Qwen3"]
     lines += ["vLLM model runner: " + ", ".join(f"{m} {results[m].get('model_runner', 'not recorded')}"
                                                 for m in models if m in results) + ".", ""]
@@ -346,6 +416,18 @@ def write_report(results: dict, args) -> str:
              f"outputs (longest {w['longest_ms']:.0f} ms) of {timed_s(results[m]['speed'][n])}"
              for m in models for n, w in results.get(m, {}).get("engine_steps", {}).items()]
     lines += [""] + steps if steps else []
+    if args.interleave:  # the rounds paired: each model's run against Qwen3's of the same round
+        rounds = []
+        for m in models[:-1]:
+            for n in map(str, args.lengths):
+                try:
+                    paired = [a / b for a, b in zip(results[m]["speed"][n]["runs_tokens_per_s"],
+                                                    results["Qwen3"]["speed"][n]["runs_tokens_per_s"])]
+                except KeyError:  # a model failed or did not run
+                    continue
+                rounds.append(f"- {m} / Qwen3, {n} new tokens, round by round: "
+                              f"{', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})")
+        lines += [""] + rounds if rounds else []
     markdown = "\n".join(lines) + "\n"
     stem.with_suffix(".md").write_text(markdown)
     return markdown

@@ -4,12 +4,15 @@ import argparse
 import json
 from datetime import datetime, timezone
 
+import pytest
+
 from bench import vllm_rollouts
 
 
 def run_args(out, **changes):
     return argparse.Namespace(**{**dict(shape="small", lengths=[1024], prompts=32, prompts_long=32, long_from=1 << 30,
-                                        n=8, engine="{}", out=out, add=[], repeats=1), **changes})
+                                        n=8, engine="{}", out=out, add=[], repeats=1, interleave=False),
+                                 **changes})
 
 
 def result(tokens_per_s, held=1000.0):
@@ -63,9 +66,11 @@ def test_a_run_rewrites_one_report_after_each_model(tmp_path):
 
 def test_engine_steps_are_counted_between_the_timed_markers():
     log = "\n".join(["iteration elapsed time: 9.0 ms",  # warm-up: outside the markers
-                     "TIMED 1024 begin", "x iteration elapsed time: 1.5 ms", "y iteration elapsed time: 0.5 ms",
-                     "TIMED 1024 end", "iteration elapsed time: 7.0 ms"])
-    assert vllm_rollouts.step_waits(log) == {"1024": dict(steps=2, waited_s=0.002, longest_ms=1.5)}
+                     "TIMED SSE-H 1024 begin", "x iteration elapsed time: 1.5 ms", "y iteration elapsed time: 0.5 ms",
+                     "TIMED SSE-H 1024 end", "iteration elapsed time: 7.0 ms",
+                     "TIMED Qwen3 1024 begin", "z iteration elapsed time: 4.0 ms", "TIMED Qwen3 1024 end"])
+    assert vllm_rollouts.step_waits(log, "SSE-H") == {"1024": dict(steps=2, waited_s=0.002, longest_ms=1.5)}
+    assert vllm_rollouts.step_waits(log, "Qwen3") == {"1024": dict(steps=1, waited_s=0.004, longest_ms=4.0)}
 
 
 def test_the_report_names_each_models_runner(tmp_path):
@@ -77,21 +82,63 @@ def test_the_report_names_each_models_runner(tmp_path):
     assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["12,000", "11,000", "20,000", "0.60", "0.55"]
 
 
-def test_the_v1_arm_runs_its_worker_with_vllms_v1_runner(tmp_path, monkeypatch):
+def fake_worker(monkeypatch, tps: dict, calls: list):
+    """subprocess.run standing in for the worker process: records (command, environment), prints a RESULT line per
+    model it was given with that model's tokens/s (a list: one per round), and vLLM's concurrency line per engine."""
     import subprocess
-    envs = {}
 
     def fake_run(cmd, stdout, env, **kwargs):
-        envs[cmd[cmd.index("--name") + 1]] = env
-        stdout.write("RESULT " + json.dumps(result(10_000.0)) + "\n")
+        calls.append((cmd, env))
+        names = cmd[cmd.index("--names") + 1:cmd.index("--paths")]
+        for i in range(len(names)):
+            stdout.write(f"(EngineCore pid=1) Maximum concurrency for 1,280 tokens per request: {100 + i:.2f}x\n")
+        for name in names:
+            runs = [dict(tokens_per_s=t, seconds=1.0, prefill_s=0.1, decode_tokens_per_s=t) for t in tps[name]]
+            speed = {"1024": dict(prompts=32, **vllm_rollouts.median_run(runs))}
+            stdout.write(f"RESULT {name} " + json.dumps(dict(start_s=80.0, model_runner="V2", speed=speed)) + "\n")
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(vllm_rollouts.subprocess, "run", fake_run)
+
+
+def test_the_v1_arm_runs_its_worker_with_vllms_v1_runner(tmp_path, monkeypatch):
+    calls = []
+    fake_worker(monkeypatch, {"SSE-H": [10_000.0], "SSE-H-v1-runner": [9_000.0]}, calls)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     for name in ("SSE-H", "SSE-H-v1-runner"):
-        vllm_rollouts.run_model(name, tmp_path, run_args(tmp_path, timeout=60), tmp_path / f"{name}.log")
+        vllm_rollouts.run_models([name], [tmp_path], run_args(tmp_path, timeout=60), tmp_path / f"{name}.log")
+    envs = {cmd[cmd.index("--names") + 1]: env for cmd, env in calls}
     assert envs["SSE-H-v1-runner"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert envs["SSE-H"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    interleaved = run_args(tmp_path, timeout=60, interleave=True)
+    with pytest.raises(ValueError, match="SSE-H-v1-runner"):  # one process cannot give it its own environment
+        vllm_rollouts.run_models(["SSE-H-v1-runner", "Qwen3"], [tmp_path] * 2, interleaved, tmp_path / "x.log")
+
+
+def test_interleaved_models_run_in_one_worker_and_pair_their_rounds(tmp_path, monkeypatch):
+    calls = []
+    fake_worker(monkeypatch, {"SSE-H": [30_000.0, 27_000.0, 24_000.0], "Qwen3": [31_000.0, 30_000.0, 26_000.0]},
+                calls)
+    args = run_args(tmp_path, timeout=60, interleave=True, repeats=3, models=["SSE-H", "Qwen3"], shape="small")
+    vllm_rollouts.main(["--shape", "small", "--lengths", "1024", "--repeats", "3", "--interleave",
+                        "--out", str(tmp_path)])
+    ((cmd, _),) = calls  # one worker for both models
+    assert cmd[cmd.index("--names") + 1:cmd.index("--paths")] == ["SSE-H", "Qwen3"] and "--interleave" in cmd
+    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    report = json.loads(saved.read_text())
+    assert report["interleaved"] is True
+    # each engine's concurrency line, in the order the engines started
+    assert [report["results"][m]["max_concurrency"] for m in ("SSE-H", "Qwen3")] == [100.0, 101.0]
+    markdown = saved.with_suffix(".md").read_text()
+    assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["27,000", "30,000", "0.90"]
+    # the rounds paired: 30/31, 27/30, 24/26
+    assert "- SSE-H / Qwen3, 1024 new tokens, round by round: 0.97, 0.90, 0.92 (median 0.92)" in markdown
+    assert "Interleaved (`--interleave`)" in markdown
+    assert "round by round" not in vllm_rollouts.write_report(report["results"], dict_args(args, interleave=False))
+
+
+def dict_args(args, **changes):
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def test_repeated_runs_report_the_median_and_the_spread(tmp_path):
