@@ -166,8 +166,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """First prefill and sampling (kernel compilation and tuning), and a prefill-only batch, whose kernels
-        would otherwise compile inside the timed probe."""
-        self.run(self.args.prompts, 64)
+        would otherwise compile inside the timed probe. (At most max_model_len's new tokens: vLLM stops there.)"""
+        self.run(self.args.prompts, min(64, max(self.args.lengths)))
         self.run(self.args.prompts, 1)
 
     def time_length(self, length) -> None:
