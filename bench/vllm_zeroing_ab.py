@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -59,30 +58,21 @@ def main():
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
 
-    from vllm_rollouts import COMMON, PROMPT_TOKENS, configs
+    from vllm_rollouts import Engine, configs
 
     path = Path(tempfile.mkdtemp()) / "SSE-H"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(configs(args.shape)["SSE-H"], dtype=torch.bfloat16).save_pretrained(path)
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=PROMPT_TOKENS + args.length)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    engine = Engine("SSE-H", str(path), argparse.Namespace(lengths=[args.length], n=args.n, prompts=args.prompts))
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
     assert scheduler.needs_kv_cache_zeroing, "this engine zeroes nothing: no A/B to make"
-    llm.collective_rpc(count_zeroed_blocks)
-    g = torch.Generator().manual_seed(0)
+    engine.llm.collective_rpc(count_zeroed_blocks)
 
     def run(length, zeroing):
         scheduler.needs_kv_cache_zeroing = zeroing
-        batch = [{"prompt_token_ids": torch.randint(0, COMMON["vocab_size"], (PROMPT_TOKENS,), generator=g).tolist()}
-                 for _ in range(args.prompts)]
-        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=length, min_tokens=length, ignore_eos=True,
-                                detokenize=False)
-        t = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        return args.prompts * args.n * length / elapsed, llm.collective_rpc(take_zeroed_count)[0]
+        tps, _ = engine.run(args.prompts, length)
+        return tps, engine.llm.collective_rpc(take_zeroed_count)[0]
 
     run(64, True)
     run(64, False)
