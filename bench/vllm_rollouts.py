@@ -133,6 +133,11 @@ def decode_bytes_per_token(name, config, weights: int, length: int, sequences: i
     return 2 * weights / sequences + touched + kv_per_token * (PROMPT_TOKENS + (length - 1) / 2)
 
 
+def prompts_at(args, length: int) -> int:
+    """Prompts a generation of `length` tokens runs with: `--prompts-long` from `--long-from` on."""
+    return args.prompts_long if length >= args.long_from else args.prompts
+
+
 class Engine:
     """One model's vllm.LLM and its generations: random 256-token prompts (a generator of its own, seeded alike
     for every model, so all models get the same prompts in the same order), n rollouts each, exactly `length` new
@@ -172,7 +177,7 @@ class Engine:
 
     def time_length(self, length) -> None:
         """One timed generation of `length` tokens, after a probe of its prefill."""
-        prompts = self.args.prompts_long if length >= self.args.long_from else self.args.prompts
+        prompts = prompts_at(self.args, length)
         # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
         # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
         _, prefill_s = self.run(prompts, 1)
@@ -187,9 +192,8 @@ class Engine:
 
     def result(self) -> str:
         """The line run_models reads: RESULT name {start, runner, the median run per length}."""
-        prompts = {length: self.args.prompts_long if length >= self.args.long_from else self.args.prompts
-                   for length in self.timed}
-        speed = {length: dict(prompts=prompts[length], **median_run(runs)) for length, runs in self.timed.items()}
+        speed = {length: dict(prompts=prompts_at(self.args, length), **median_run(runs))
+                 for length, runs in self.timed.items()}
         runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
         return f"RESULT {self.name} " + json.dumps(dict(start_s=self.start_s, model_runner=runner, speed=speed))
 
@@ -388,7 +392,7 @@ def write_report(results: dict, args) -> str:
     row("engine start, s", lambda m: results[m]["start_s"], "{:.0f}")
     weights = {m: streamed_weights(cfgs[m]) for m in models}
     for length in args.lengths:
-        prompts = args.prompts_long if length >= args.long_from else args.prompts
+        prompts = prompts_at(args, length)
         row(f"output tokens/s, {prompts} prompts x {args.n} x {length} tokens",
             lambda m, k=str(length): results[m]["speed"][k]["tokens_per_s"], "{:,.0f}")
         if args.repeats > 1:
