@@ -57,6 +57,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import vllm_step_clock  # noqa: E402
 
 COMMON = dict(head_dim=128, vocab_size=32000, max_position_embeddings=40960, tie_word_embeddings=False)
 SHAPES = {
@@ -153,6 +155,11 @@ class Engine:
         self.start_s = time.perf_counter() - started
         self.g = torch.Generator().manual_seed(0)
         self.timed = {}
+        self.step_clock = getattr(args, "step_clock", False)
+        if self.step_clock:
+            import cloudpickle
+            cloudpickle.register_pickle_by_value(vllm_step_clock)  # the engine-core process need not import it
+            self.llm.collective_rpc(vllm_step_clock.install)
 
     def run(self, prompts, length) -> tuple[float, float]:
         """(output tokens/s, seconds) of one generation."""
@@ -181,14 +188,19 @@ class Engine:
         # One new token on fresh prompts: the batch's prefill (vLLM reuses a prompt's cached blocks across the
         # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
         _, prefill_s = self.run(prompts, 1)
+        if self.step_clock:
+            self.llm.collective_rpc(vllm_step_clock.start, args=(length // 2,))
         print(f"TIMED {self.name} {length} begin", flush=True)  # brackets the engine's iteration log lines
         tps, elapsed = self.run(prompts, length)
         print(f"TIMED {self.name} {length} end", flush=True)
         decode_tps = prompts * self.args.n * (length - 1) / max(elapsed - prefill_s, 1e-9)
-        self.timed.setdefault(length, []).append(dict(tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s,
-                                                      decode_tokens_per_s=decode_tps))
+        timed = dict(tokens_per_s=tps, seconds=elapsed, prefill_s=prefill_s, decode_tokens_per_s=decode_tps)
+        self.timed.setdefault(length, []).append(timed)
         print(f"[{self.name}] {prompts} x {self.args.n} x {length}: {tps:,.0f} tokens/s ({elapsed:.1f} s; prefill "
               f"{prefill_s:.2f} s, {decode_tps:,.0f} tokens/s after it)", flush=True)
+        if self.step_clock:
+            timed["step_clock"] = self.llm.collective_rpc(vllm_step_clock.take)[0]
+            print(f"[{self.name}] {vllm_step_clock.describe(timed['step_clock'])}", flush=True)
 
     def result(self) -> str:
         """The line run_models reads: RESULT name {start, runner, the median run per length}."""
@@ -222,8 +234,10 @@ def median_run(timed: list[dict]) -> dict:
     """The run of median tokens/s (the slower middle one of an even count) stands for its length, with every
     run's tokens/s and seconds beside it (the spread; the engine-step counts cover all the runs)."""
     median = sorted(timed, key=lambda t: t["tokens_per_s"])[(len(timed) - 1) // 2]
-    return dict(median, runs_tokens_per_s=[t["tokens_per_s"] for t in timed],
-                runs_seconds=[t["seconds"] for t in timed])
+    runs = dict(runs_tokens_per_s=[t["tokens_per_s"] for t in timed], runs_seconds=[t["seconds"] for t in timed])
+    if any("step_clock" in t for t in timed):
+        runs["runs_step_clock"] = [t.get("step_clock") for t in timed]
+    return dict(median, **runs)
 
 
 ITERATION = re.compile(r"iteration elapsed time: ([\d.]+) ms")
@@ -254,8 +268,11 @@ def run_models(names, paths, args, log: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--names", *names, "--paths", *map(str, paths),
            "--engine", args.engine, "--n", str(args.n), "--prompts", str(args.prompts),
            "--prompts-long", str(args.prompts_long), "--long-from", str(args.long_from), "--repeats",
-           str(args.repeats), "--lengths", *map(str, args.lengths)] + (["--interleave"] if args.interleave else [])
+           str(args.repeats), "--lengths", *map(str, args.lengths)] + (["--interleave"] if args.interleave else []) \
+        + (["--step-clock"] if args.step_clock else [])
     env = dict(os.environ)
+    if args.step_clock:  # collective_rpc sends the clock's functions to the engine-core process pickled
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     for name in names:
         env.update(MODEL_ENV.get(name, {}))
     with open(log, "w") as f:
@@ -298,6 +315,9 @@ def main(argv=None):
                         "call cannot hold every model): their models join this report's table")
     p.add_argument("--interleave", action="store_true",
                    help="all models in one process, their engines sharing the GPU, timed in turn")
+    p.add_argument("--step-clock", action="store_true",
+                   help="time every engine step of the timed runs and profile a window of them "
+                        "(bench/vllm_step_clock.py); the report adds a line per run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--paths", nargs="+", help=argparse.SUPPRESS)
@@ -420,6 +440,11 @@ def write_report(results: dict, args) -> str:
              f"outputs (longest {w['longest_ms']:.0f} ms) of {timed_s(results[m]['speed'][n])}"
              for m in models for n, w in results.get(m, {}).get("engine_steps", {}).items()]
     lines += [""] + steps if steps else []
+    clocks = [f"- {m}, {n} new tokens, run {i + 1}: {vllm_step_clock.describe(clock)}"
+              for m in models for n, speed in results.get(m, {}).get("speed", {}).items()
+              for i, clock in enumerate(speed.get("runs_step_clock", [])) if clock]
+    lines += ["", "Step clock (`--step-clock`, bench/vllm_step_clock.py; runs in the order they ran):"] + clocks \
+        if clocks else []
     if args.interleave:  # the rounds paired: each model's run against Qwen3's of the same round
         rounds = []
         for m in models[:-1]:

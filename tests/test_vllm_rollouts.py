@@ -11,7 +11,8 @@ from bench import vllm_rollouts
 
 def run_args(out, **changes):
     return argparse.Namespace(**{**dict(shape="small", lengths=[1024], prompts=32, prompts_long=32, long_from=1 << 30,
-                                        n=8, engine="{}", out=out, add=[], repeats=1, interleave=False),
+                                        n=8, engine="{}", out=out, add=[], repeats=1, interleave=False,
+                                        step_clock=False),
                                  **changes})
 
 
@@ -154,3 +155,34 @@ def test_repeated_runs_report_the_median_and_the_spread(tmp_path):
     assert cells(markdown, "output tokens/s, 32 prompts x 8 x 1024") == ["28,000", "30,000", "0.93"]
     assert cells(markdown, "  slowest / fastest of 3 runs")[0] == "0.833"
     assert "3075 engine steps; the engine waited 0.3 s for model outputs (longest 2 ms) of 28.6 s (3 runs)" in markdown
+
+
+def test_the_step_clock_summarises_decode_steps_and_the_report_lists_every_run(tmp_path):
+    from bench import vllm_step_clock
+    # (host s, GPU ms at the step's first event, GPU ms at its sampled tokens, decode?): a prefill, then decode
+    # steps every 10 ms of host time whose GPU work takes 8 ms and waits 2 ms for the host
+    rows = [(0.0, 0.0, 30.0, False)] + [(0.03 + 0.01 * i, 30.0 + 10 * i, 38.0 + 10 * i, True) for i in range(5)]
+    summary = vllm_step_clock.summarise(rows, gc_s=0.5, gc_full=1, kernels={"decode": 5.0, "gemm": 2.5})
+    assert summary["decode_steps"] == 5 and summary["steps"] == 6
+    assert summary["host_ms"] == pytest.approx(10.0)
+    assert summary["span_ms"] == pytest.approx(8.0) and summary["idle_ms"] == pytest.approx(2.0)
+    assert summary["kernel_ms"] == 7.5 and list(summary["top_kernels"]) == ["decode", "gemm"]
+    off_gpu = vllm_step_clock.summarise([(r[0], None, None, r[3]) for r in rows], 0.0, 0, None)
+    assert off_gpu["span_ms"] is None and off_gpu["kernel_ms"] is None
+    assert "GPU span n/a" in vllm_step_clock.describe(off_gpu)
+    runs = [dict(tokens_per_s=t, seconds=1.0, prefill_s=0.1, decode_tokens_per_s=t, step_clock=summary)
+            for t in (30_000.0, 28_000.0)]
+    sse_h = dict(result(1.0), speed={"1024": dict(prompts=32, **vllm_rollouts.median_run(runs))})
+    markdown = vllm_rollouts.write_report({"SSE-H": sse_h, "Qwen3": result(30_000.0)}, run_args(tmp_path))
+    line = ("- SSE-H, 1024 new tokens, run 2: 5 decode steps, one every 10.00 ms (host), GPU span 8.00 ms, GPU idle "
+            "2.00 ms between steps; kernels 7.50 ms a step (decode 5.00, gemm 2.50); gc 0.50 s (1 full)")
+    assert line in markdown
+
+
+def test_the_step_clock_reaches_the_worker_and_lets_vllm_send_it(tmp_path, monkeypatch):
+    calls = []
+    fake_worker(monkeypatch, {"SSE-H": [10_000.0]}, calls)
+    vllm_rollouts.run_models(["SSE-H"], [tmp_path], run_args(tmp_path, timeout=60, step_clock=True),
+                             tmp_path / "x.log")
+    ((cmd, env),) = calls
+    assert "--step-clock" in cmd and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
