@@ -189,7 +189,7 @@ class Engine:
         # n rollouts of a Transformer, not of a hybrid whose prompts are shorter than its state block).
         _, prefill_s = self.run(prompts, 1)
         if self.step_clock:
-            self.llm.collective_rpc(vllm_step_clock.start, args=(length // 2,))
+            self.llm.collective_rpc(vllm_step_clock.start, args=(length // 2, self.args.host_profile))
         print(f"TIMED {self.name} {length} begin", flush=True)  # brackets the engine's iteration log lines
         tps, elapsed = self.run(prompts, length)
         print(f"TIMED {self.name} {length} end", flush=True)
@@ -201,6 +201,9 @@ class Engine:
         if self.step_clock:
             timed["step_clock"] = self.llm.collective_rpc(vllm_step_clock.take)[0]
             print(f"[{self.name}] {vllm_step_clock.describe(timed['step_clock'])}", flush=True)
+            if host_profile := timed["step_clock"].pop("host_profile"):  # to the log, not the report
+                print(f"[{self.name}] host profile of the engine core, {length} new tokens:\n{host_profile}",
+                      flush=True)
 
     def result(self) -> str:
         """The line run_models reads: RESULT name {start, runner, the median run per length}."""
@@ -269,7 +272,7 @@ def run_models(names, paths, args, log: Path) -> dict:
            "--engine", args.engine, "--n", str(args.n), "--prompts", str(args.prompts),
            "--prompts-long", str(args.prompts_long), "--long-from", str(args.long_from), "--repeats",
            str(args.repeats), "--lengths", *map(str, args.lengths)] + (["--interleave"] if args.interleave else []) \
-        + (["--step-clock"] if args.step_clock else [])
+        + (["--step-clock"] if args.step_clock else []) + (["--host-profile"] if args.host_profile else [])
     env = dict(os.environ)
     if args.step_clock:  # collective_rpc sends the clock's functions to the engine-core process pickled
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -318,10 +321,15 @@ def main(argv=None):
     p.add_argument("--step-clock", action="store_true",
                    help="time every engine step of the timed runs and profile a window of them "
                         "(bench/vllm_step_clock.py); the report adds a line per run")
+    p.add_argument("--host-profile", action="store_true",
+                   help="with --step-clock: cProfile the engine core's thread in each timed run, the table to the "
+                        "worker's log (slows the host: no tokens/s from such a run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--paths", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.host_profile and not args.step_clock:
+        p.error("--host-profile needs --step-clock")
     if args.worker:
         return worker(args)
 

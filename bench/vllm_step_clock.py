@@ -11,13 +11,19 @@ window of decode steps in the middle of the generation. `take` summarises a gene
   sampled tokens; `idle_ms`: the median GPU time from one decode step's sampled tokens to the next step's first
   event, i.e. how long the GPU waited for the host (with async scheduling ~0 while the GPU is the bottleneck);
 - `kernel_ms`: GPU kernel time per decode step over the profiled window, and its largest kernels;
-- `gc_s`, `gc_full`: the garbage collector's pause time and full (generation 2) collections in the worker.
+- `gc_s`, `gc_full`: the garbage collector's pause time and full (generation 2) collections in the worker;
+- `host_profile` (when asked): cProfile's table of the thread `collective_rpc` runs in, which in vLLM 0.25 on a
+  GPU (one worker in the engine-core process) is the engine core's: scheduler, model runner and output handling.
+  cProfile slows that thread (take no tokens/s from such a run); its shares say where the host's step goes.
 
 bench/vllm_rollouts.py uses it with `--step-clock`, to see whether a model's decode steps slow down over an engine's
 life on the GPU or on the host. The events cost a few microseconds a step; the profiled window adds two GPU
 synchronisations and its tracing (the generation's tokens/s is a little lower than an unclocked run's).
 """
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import time
 
@@ -84,15 +90,27 @@ def profile_window(clock, start: bool) -> None:
                         if e.device_type.name == "CUDA" and e.device_time_total > 0}
 
 
-def start(worker, window_at: int) -> None:
-    """(On the worker) Clear the clock for the next generation; profile its decode steps from `window_at` on."""
+def start(worker, window_at: int, host_profile: bool = False) -> None:
+    """(On the worker) Clear the clock for the next generation; profile its decode steps from `window_at` on (and
+    its host under cProfile with `host_profile`)."""
     clock = worker.model_runner.step_clock
-    clock.update(steps=[], decode_steps=0, gc_s=0.0, gc_full=0, window_at=window_at, profiler=None, kernels=None)
+    clock.update(steps=[], decode_steps=0, gc_s=0.0, gc_full=0, window_at=window_at, profiler=None, kernels=None,
+                 cprofile=cProfile.Profile() if host_profile else None)
+    if clock["cprofile"]:
+        clock["cprofile"].enable()
 
 
 def take(worker) -> dict:
     """(On the worker) The summary of the steps since `start` (see the module's docstring)."""
     clock = worker.model_runner.step_clock
+    host_profile = None
+    if clock.get("cprofile"):
+        clock["cprofile"].disable()
+        out = io.StringIO()
+        stats = pstats.Stats(clock.pop("cprofile"), stream=out)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        host_profile = out.getvalue()
     if clock["profiler"] is not None:  # a generation shorter than its window
         profile_window(clock, start=False)
     if torch.cuda.is_available():
@@ -101,7 +119,7 @@ def take(worker) -> dict:
     first = steps[0][1] if steps else None
     rows = [(host, first.elapsed_time(begin) if begin else None,
              first.elapsed_time(end) if begin and end else None, decode) for host, begin, end, decode in steps]
-    return summarise(rows, clock["gc_s"], clock["gc_full"], clock["kernels"])
+    return dict(summarise(rows, clock["gc_s"], clock["gc_full"], clock["kernels"]), host_profile=host_profile)
 
 
 def summarise(rows, gc_s: float, gc_full: int, kernels: dict | None) -> dict:

@@ -12,7 +12,7 @@ from bench import vllm_rollouts
 def run_args(out, **changes):
     return argparse.Namespace(**{**dict(shape="small", lengths=[1024], prompts=32, prompts_long=32, long_from=1 << 30,
                                         n=8, engine="{}", out=out, add=[], repeats=1, interleave=False,
-                                        step_clock=False),
+                                        step_clock=False, host_profile=False),
                                  **changes})
 
 
@@ -186,3 +186,8 @@ def test_the_step_clock_reaches_the_worker_and_lets_vllm_send_it(tmp_path, monke
                              tmp_path / "x.log")
     ((cmd, env),) = calls
     assert "--step-clock" in cmd and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+
+
+def test_the_host_profile_needs_the_step_clock():
+    with pytest.raises(SystemExit):
+        vllm_rollouts.main(["--host-profile"])
