@@ -103,6 +103,9 @@ def profile(builds, T: int, top: int = 25) -> list[str]:
         model = builds[name]().to("cuda", torch.bfloat16).train()
         ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        # as `measure` does: otherwise the profiled backward adds into every parameter's gradient (an add kernel
+        # per parameter tensor, which the timed steps do not run)
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                     record_shapes=True) as prof:
