@@ -2,7 +2,8 @@
 run, vLLM's default engine (engine-core process, torch.compile, CUDA graphs, chunked prefill, async scheduling).
 
     python bench/vllm_rollouts.py [--shape small|1b] [--lengths 1024 4096 16384] [--prompts 32] [--n 8]
-                                  [--repeats R] [--interleave] [--out bench/results] [--add EARLIER.json ...]
+                                  [--repeats R] [--interleave] [--step-clock [--host-profile]]
+                                  [--out bench/results] [--add EARLIER.json ...]
 
 Shapes: `small` (12 layers of 1024, where the first GPU measurement was made; at ~0.2B parameters a decode step
 is mostly vLLM's host-side work for both models) and `1b` (24 layers of 2048, 16 query and 8 KV heads of 128:
@@ -32,11 +33,16 @@ tokens/s over the fastest's beside it: two 1k runs of the 1.5B on one H200 gave 
 `--interleave` runs all models in one process, each in its own engine on the shared GPU (`gpu_memory_utilization`
 0.9 / models each, unless `--engine` sets it), and times them in turn: each of the R rounds times every model once
 per length, the order reversed every other round, and the report adds each round's ratio to Qwen3. Without it the
-models run one after the other, and the machine's drift during the job falls on one model more than the other: in
-one 1k job on an H200 SSE-H's tokens/s fell from 34.5k to 26.2k over 12 generations of one engine while the GPU held
-a decode-like load at the same speed for two minutes (bench/results/vllm_attention_zeroing_20261129.md). Use it where
-every model's cache holds all sequences in its share (1k: yes; 4k and longer: compare the "max concurrent
-sequences" row with prompts x n).
+models run one after the other, and at 1k, where both engines' decode steps wait on the host, the host's time per
+step moves between generations (a 1.5B's steps took 6.9-9.7 ms on one H200 for the same 6.7 ms of kernels,
+bench/results/vllm_1k_interleaved_20261129.md), so one model's runs can fall in a slow spell. Use it where every
+model's cache holds all sequences in its share (1k: yes; 4k and longer: compare the "max concurrent sequences" row
+with prompts x n).
+
+`--step-clock` times every decode step of the timed runs in vLLM's worker (bench/vllm_step_clock.py: the host's
+period, the GPU's span and idle time from CUDA events, kernel time over a profiled window of 32 steps, the garbage
+collector's pauses) and adds a line per run to the report; `--host-profile` also writes a cProfile of the engine
+core's thread per run to the worker's log. Both cost host time: take tokens/s from runs without them.
 
 `--prompts-long P --long-from L` runs lengths >= L with P prompts instead (both models alike): at 16k a Qwen3 of
 this size holds ~80 sequences in an 80 GB GPU, so 32 x 8 rollouts take it several minutes.
