@@ -400,8 +400,8 @@ def write_report(results: dict, args) -> str:
     if args.interleave:
         lines += ["Interleaved (`--interleave`): the models' engines in one process, sharing the GPU's memory "
                   "(`gpu_memory_utilization` 0.9 / models unless set), each round timing every model once per length, "
-                  "the order reversed every other round, so a drift of the machine during the job falls on all "
-                  "alike; engine starts are one after another in that process.", ""]
+                  "the order reversed every other round, so the host's variation between generations falls on "
+                  "all alike; engine starts are one after another in that process.", ""]
     models = [m for m in MODELS if m in results and m != "Qwen3"] + ["Qwen3"]
     lines += ["vLLM model runner: " + ", ".join(f"{m} {results[m].get('model_runner', 'not recorded')}"
                                                 for m in models if m in results) + ".", ""]

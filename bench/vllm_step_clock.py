@@ -32,12 +32,18 @@ import torch
 WINDOW = 32  # decode steps profiled
 
 
+def new_clock(window_at: int | None = None, host_profile: bool = False) -> dict:
+    """A generation's clock: its steps, gc pauses, the profiled window's first decode step and results, and the
+    cProfile of its host when asked."""
+    return dict(steps=[], decode_steps=0, gc_s=0.0, gc_full=0, window_at=window_at, profiler=None, kernels=None,
+                cprofile=cProfile.Profile() if host_profile else None)
+
+
 def install(worker) -> None:
     """(On the worker) Wrap its model runner's step calls with the clock."""
     runner = worker.model_runner
     cuda = torch.cuda.is_available()
-    clock = runner.step_clock = dict(steps=[], decode_steps=0, gc_s=0.0, gc_full=0, window_at=None, profiler=None,
-                                     kernels=None)
+    clock = runner.step_clock = new_clock()
 
     def event():
         if cuda:
@@ -51,8 +57,11 @@ def install(worker) -> None:
         tokens = scheduler_output.total_num_scheduled_tokens
         decode = tokens > 0 and tokens == len(scheduler_output.num_scheduled_tokens)
         clock["decode_steps"] += decode
-        if cuda and decode and clock["window_at"] in (clock["decode_steps"], clock["decode_steps"] - WINDOW):
-            profile_window(clock, start=clock["decode_steps"] == clock["window_at"])
+        if cuda and decode and clock["window_at"] is not None:
+            if clock["decode_steps"] == clock["window_at"]:
+                start_window(clock)
+            elif clock["decode_steps"] == clock["window_at"] + WINDOW:
+                stop_window(clock)
         clock["steps"].append([time.perf_counter(), event(), None, decode])
         return execute(scheduler_output, *args, **kwargs)
 
@@ -78,12 +87,15 @@ def install(worker) -> None:
             torch.cuda.synchronize()
 
 
-def profile_window(clock, start: bool) -> None:
+def start_window(clock) -> None:
     torch.cuda.synchronize()
-    if start:
-        clock["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        clock["profiler"].start()
-        return
+    clock["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    clock["profiler"].start()
+
+
+def stop_window(clock) -> None:
+    """Kernel ms per decode step of the window, by kernel."""
+    torch.cuda.synchronize()
     prof, clock["profiler"] = clock["profiler"], None
     prof.stop()
     clock["kernels"] = {e.key: e.device_time_total / 1e3 / WINDOW for e in prof.key_averages()
@@ -94,8 +106,7 @@ def start(worker, window_at: int, host_profile: bool = False) -> None:
     """(On the worker) Clear the clock for the next generation; profile its decode steps from `window_at` on (and
     its host under cProfile with `host_profile`)."""
     clock = worker.model_runner.step_clock
-    clock.update(steps=[], decode_steps=0, gc_s=0.0, gc_full=0, window_at=window_at, profiler=None, kernels=None,
-                 cprofile=cProfile.Profile() if host_profile else None)
+    clock.update(new_clock(window_at, host_profile))
     if clock["cprofile"]:
         clock["cprofile"].enable()
 
@@ -104,15 +115,16 @@ def take(worker) -> dict:
     """(On the worker) The summary of the steps since `start` (see the module's docstring)."""
     clock = worker.model_runner.step_clock
     host_profile = None
-    if clock.get("cprofile"):
-        clock["cprofile"].disable()
+    if clock["cprofile"]:
+        profiler, clock["cprofile"] = clock["cprofile"], None
+        profiler.disable()
         out = io.StringIO()
-        stats = pstats.Stats(clock.pop("cprofile"), stream=out)
+        stats = pstats.Stats(profiler, stream=out)
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(60)
         host_profile = out.getvalue()
     if clock["profiler"] is not None:  # a generation shorter than its window
-        profile_window(clock, start=False)
+        stop_window(clock)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     steps = clock["steps"]
