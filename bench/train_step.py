@@ -4,6 +4,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
     python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
     python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
+    python bench/train_step.py --lengths 8192 --rounds 5      # every model timed 5 times in turn (`rounds`)
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
@@ -63,9 +64,15 @@ def qwen3(attention: str, fused_norm: bool = False):
     return model
 
 
-def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+def on_gpu(build):
+    """The model built straight on the GPU (initialising 0.45B parameters on the host takes seconds), in bf16."""
     torch.manual_seed(0)
-    model = build().to("cuda", torch.bfloat16).train()
+    with torch.device("cuda"):
+        return build().to(torch.bfloat16).train()
+
+
+def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+    model = on_gpu(build)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
@@ -93,14 +100,41 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
                 step_ms=[round(x * 1e3, 2) for x in times], host_ms=[round(x * 1e3, 2) for x in host])
 
 
+def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count: int) -> dict:
+    """Each model `measure`d `count` times in turn, the order reversed every other round, so that the host's speed,
+    which moves by tens of percent over minutes on the GPU node (kernels/NOTES.md), falls on every model alike.
+    Per model: tokens/s the median of its rounds (each the median of its steps), peak memory the largest, and its
+    rounds; `paired`: SSE-H over the fastest Qwen3 of the same round, round by round."""
+    names = list(builds)
+    runs = {name: [] for name in names}
+    for i in range(count):
+        for name in names if i % 2 == 0 else names[::-1]:
+            try:
+                runs[name].append(measure(builds[name], T, packed, checkpointing, steps))
+            except torch.OutOfMemoryError:
+                runs[name].append(None)
+                torch.cuda.empty_cache()
+    out = {}
+    for name, results in runs.items():
+        done = [r for r in results if r is not None]
+        out[name] = None if len(done) < count else dict(
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in done),
+            peak_gib=max(r["peak_gib"] for r in done), rounds=[round(r["tokens_per_s"]) for r in done],
+            step_ms=[ms for r in done for ms in r["step_ms"]], host_ms=[ms for r in done for ms in r["host_ms"]])
+    qwen = [name for name in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if out.get(name)]
+    if out.get("SSE-H") and qwen:
+        out["paired"] = [round(sse / max(out[name]["rounds"][i] for name in qwen), 3)
+                         for i, sse in enumerate(out["SSE-H"]["rounds"])]
+    return out
+
+
 def profile(builds, T: int, top: int = 25) -> list[str]:
     """GPU time per kernel of one unpacked step (after a warm-up step) of each model but all-attention, and per torch
     op with its input shapes (which op of the model launched the kernels): a markdown section."""
     from torch.profiler import ProfilerActivity
     lines = [f"## T = {T}, unpacked, no checkpointing", ""]
     for name in [name for name in builds if name != "all-attention"]:
-        torch.manual_seed(0)
-        model = builds[name]().to("cuda", torch.bfloat16).train()
+        model = on_gpu(builds[name])
         ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         # as `measure` does: otherwise the profiled backward adds into every parameter's gradient (an add kernel
@@ -193,8 +227,7 @@ def split(builds, T: int, steps: int) -> list[str]:
     timelines = []
     for name, build in builds.items():
         wall = statistics.median(measure(build, T, False, False, steps)["step_ms"])
-        torch.manual_seed(0)
-        model = build().to("cuda", torch.bfloat16).train()
+        model = on_gpu(build)
         ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
         kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
         model(**kwargs).loss.backward()  # compiles and tunes kernels
@@ -215,6 +248,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="time every model this many times in turn (`rounds`)")
     p.add_argument("--models", nargs="+", choices=list(models()),
                    default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm"],
                    help="an A/B of two trees may time SSE-H alone")
@@ -239,12 +273,7 @@ def main(argv=None):
         for packed in (False, True):
             for checkpointing in (False, True):
                 row = dict(T=T, packed=packed, checkpointing=checkpointing)
-                for name, build in builds.items():
-                    try:
-                        row[name] = measure(build, T, packed, checkpointing, args.steps)
-                    except torch.OutOfMemoryError:
-                        row[name] = None
-                        torch.cuda.empty_cache()
+                row.update(rounds(builds, T, packed, checkpointing, args.steps, args.rounds))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     now = datetime.now(timezone.utc)
@@ -258,13 +287,17 @@ def main(argv=None):
     def cell(r):
         return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
-             "tokens/s (peak GiB); SSE-H host / step: the host's time to queue SSE-H's step over the step's time "
-             "(near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
+             f"tokens/s (peak GiB), the median of {args.rounds} round(s) of {args.steps} steps, the models timed in "
+             "turn; SSE-H / fastest Qwen3: the median of the rounds' ratios (their range); SSE-H host / step: the "
+             "host's time to queue SSE-H's step over the step's time (near 1: the host, not the GPU, set the pace; "
+             "kernels/NOTES.md)",
              "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
     for r in rows:
-        baselines = [r[n]["tokens_per_s"] for n in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if r.get(n)]
-        ratio = f"{r['SSE-H']['tokens_per_s'] / max(baselines):.2f}" if r.get("SSE-H") and baselines else ""
+        paired = r.get("paired", [])
+        ratio = f"{statistics.median(paired):.2f}" if paired else ""
+        if len(paired) > 1:
+            ratio += f" ({min(paired):.2f}-{max(paired):.2f})"
         sse = r.get("SSE-H")
         host = f"{statistics.median(sse['host_ms']) / statistics.median(sse['step_ms']):.2f}" if sse else ""
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "

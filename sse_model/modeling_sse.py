@@ -138,6 +138,14 @@ class SSEAttention(nn.Module):
         return o.reshape(S * longest, *o.shape[2:]).index_select(0, slot)[None]  # [1, L, heads, d]
 
 
+# Recipes whose tensors take at most this many bytes together are kept instead (`recomputed_when_saved`): at 8k
+# tokens of width 2048 in bf16 the layer's three inputs (96 MiB) and W_o's input (32 MiB), whose making again cost
+# each SSE layer ~0.1 ms of GPU work and ~0.2 ms of the host's (four launches, and a Python hook on each of the ~25
+# tensors its operator saves) in a step the host nearly bounds (kernels/NOTES.md); at 32k tokens (384 + 128 MiB),
+# where the memory counts, they are made again.
+RECIPES_ABOVE_BYTES = 96 * 2**20
+
+
 @contextlib.contextmanager
 def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
     """Within the block, autograd keeps a tensor it saves for the backward that is (a view of) one of `recipes`'
@@ -145,8 +153,10 @@ def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.T
     bit. For the SSE layer's cheap products of tensors the backward keeps anyway (its decay logits, the shared
     partition's q and key logits, W_o's input: 4 of the 10 [T, hidden] tensors it kept, 0.5 GiB a layer at 32k
     tokens of width 2048), which its operator and W_o would otherwise keep. Off where another saved-tensor hook is
-    active: gradient checkpointing (which recomputes the whole layer) or offloading would lose theirs to ours."""
-    if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    active: gradient checkpointing (which recomputes the whole layer) or offloading would lose theirs to ours; and
+    where the recipes' tensors take at most RECIPES_ABOVE_BYTES."""
+    if (not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            or sum(t.numel() * t.element_size() for t, _ in recipes) <= RECIPES_ABOVE_BYTES):
         yield
         return
     # No tensor in here: the saved variables keep this hook, and through it what it holds, to the backward.
@@ -200,9 +210,13 @@ def float32_router(x, weight):
 
 def _low_rank_term(codes, sizes, i, weight, bias, heads):
     """The i-th low-rank term [B, T, heads, -1] from the stacked codes [B, T, sum(sizes)]: written once for
-    SSEInputProjections and for the recipes that make its terms again, so that the two match bit for bit."""
+    SSEInputProjections and for the recipes that make its terms again, so that the two match bit for bit. The
+    bias goes into the GEMM's epilogue (addmm): F.linear over the codes' strided slice added it in a kernel of its
+    own (38 us a call at 8k tokens on an H200, twice a layer with the recipe)."""
     B, T, _ = codes.shape
-    return F.linear(codes.split(sizes, -1)[i], weight, bias).view(B, T, heads, -1)
+    code = codes.split(sizes, -1)[i].reshape(B * T, -1)
+    term = code @ weight.t() if bias is None else torch.addmm(bias, code, weight.t())
+    return term.view(B, T, heads, -1)
 
 
 def _shared_term(codes, sizes, i, weight, routed):

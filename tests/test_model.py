@@ -490,8 +490,10 @@ def test_cheap_inputs_are_recomputed_in_the_backward_bit_for_bit(dtype, padded, 
     gradient equals the one of a layer that kept them. An outer saved-tensor hook (as gradient checkpointing
     installs) turns the recipes off. Which of the operator's inputs a path saves as they are is the path's own (the
     Triton path's, all: tests/test_triton_kernels.py); W_o always saves its input, so the output step runs again
-    and its output's memory is free between the forward and the backward."""
+    and its output's memory is free between the forward and the backward. (Recipes apply above
+    RECIPES_ABOVE_BYTES; this layer's tensors are tiny, so the bar is lowered to every size.)"""
     import kernels
+    monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", -1)
     torch.manual_seed(0)
     layer = SSEForCausalLM(tiny_config(sse_lora_rank=lora)).model.layers[0].linear_attn.to(dtype)
     x = torch.randn(2, 9, 64, dtype=dtype)
@@ -522,6 +524,25 @@ def test_cheap_inputs_are_recomputed_in_the_backward_bit_for_bit(dtype, padded, 
     assert counts == (1, 1, True)  # W_o's input freed after the forward, made again in the backward
     for a, b in zip(recomputed, kept):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_recipes_up_to_their_size_bar_are_kept(monkeypatch):
+    """Up to RECIPES_ABOVE_BYTES (the recipes' tensors together) the block keeps them: no saved-tensor hook, the
+    backward makes nothing again; one byte above, it does."""
+    x = torch.randn(4, 8, requires_grad=True)
+    made = []
+
+    def recipe():
+        made.append(1)
+        return x.detach() * 2
+    for bar, remade in ((x.numel() * 4, 0), (x.numel() * 4 - 1, 1)):
+        made.clear()
+        monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", bar)
+        y = x * 2  # 128 bytes
+        with modeling_sse.recomputed_when_saved([(y, recipe)]):
+            z = y.sin().sum()  # sin saves y
+        z.backward()
+        assert len(made) == remade
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -870,12 +870,13 @@ def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch)
     memory is free once the forward returns, they are made again in the backward, and the gradients are those of a
     layer that kept the tensors."""
     import kernels
-    from sse_model import SSEConfig, SSEForCausalLM
+    from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
     config = SSEConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                        layer_types=["linear_attention"], num_attention_heads=2, head_dim=32, sse_num_heads=2,
                        sse_key_dim=32, sse_value_dim=32, sse_num_partitions=4, sse_top_k=1, sse_lora_rank=4,
                        sse_impl="triton_indexed")
     layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
+    monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", -1)  # tiny tensors: every recipe applies
     calls, storages = [], []
     up_weights = [getattr(layer, name).weight for name in ("decay_up", "q_shared_up", "k_shared_up")]
     linear, addmm, project, norm_gate = F.linear, torch.addmm, layer.project, kernels.norm_gate
