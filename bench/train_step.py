@@ -5,6 +5,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
     python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
     python bench/train_step.py --lengths 8192 --rounds 5      # every model timed 5 times in turn (`rounds`)
+    python bench/train_step.py --lengths 8192 --rounds 3 --alone      # ... each time in a process of its own
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
@@ -20,6 +21,7 @@ one warm-up), peak memory, and SSE-H against the fastest Qwen3 run.
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -100,17 +102,34 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
                 step_ms=[round(x * 1e3, 2) for x in times], host_ms=[round(x * 1e3, 2) for x in host])
 
 
-def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count: int) -> dict:
-    """Each model `measure`d `count` times in turn, the order reversed every other round, so that the host's speed,
-    which moves by tens of percent over minutes on the GPU node (kernels/NOTES.md), falls on every model alike.
-    Per model: tokens/s the median of its rounds (each the median of its steps), peak memory the largest, and its
-    rounds; `paired`: SSE-H over the fastest Qwen3 of the same round, round by round."""
+def measure_alone(name: str, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+    """`measure` of model `name` in a Python process of its own, as a training run has one model: nothing of the
+    other models' runs (their allocator pools, compiled kernels, imports) is in the process. Raises
+    torch.OutOfMemoryError where that process ran out of GPU memory."""
+    flags = ["--packed"] * packed + ["--checkpointing"] * checkpointing
+    done = subprocess.run([sys.executable, __file__, "--alone", name, "--lengths", str(T), "--steps", str(steps),
+                           *flags], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name} at T = {T} failed in its own process:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    if result is None:
+        raise torch.OutOfMemoryError(f"{name} at T = {T}, in its own process")
+    return result
+
+
+def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count: int, alone: bool = False) -> dict:
+    """Each model `measure`d `count` times in turn (with `alone`, each time in a process of its own:
+    `measure_alone`), the order reversed every other round, so that the host's speed, which moves by tens of
+    percent over minutes on the GPU node (kernels/NOTES.md), falls on every model alike. Per model: tokens/s the
+    median of its rounds (each the median of its steps), peak memory the largest, and its rounds; `paired`: SSE-H
+    over the fastest Qwen3 of the same round, round by round."""
     names = list(builds)
     runs = {name: [] for name in names}
     for i in range(count):
         for name in names if i % 2 == 0 else names[::-1]:
             try:
-                runs[name].append(measure(builds[name], T, packed, checkpointing, steps))
+                runs[name].append(measure_alone(name, T, packed, checkpointing, steps) if alone
+                                  else measure(builds[name], T, packed, checkpointing, steps))
             except torch.OutOfMemoryError:
                 runs[name].append(None)
                 torch.cuda.empty_cache()
@@ -255,7 +274,19 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
     p.add_argument("--split", action="store_true", help="GPU-bound step, idle and host time instead of the table")
+    p.add_argument("--alone", nargs="?", const=True, default=False, metavar="MODEL",
+                   help="every timing in a process of its own (`measure_alone`); with a model: that process, which "
+                        "prints the one timing of --lengths, --packed, --checkpointing as a JSON line")
+    p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if isinstance(args.alone, str):
+        try:
+            result = measure(models()[args.alone], args.lengths[0], args.packed, args.checkpointing, args.steps)
+        except torch.OutOfMemoryError:
+            result = None
+        print(json.dumps(result))
+        return
     builds = {name: build for name, build in models().items() if name in args.models}
     if args.profile or args.split:
         now = datetime.now(timezone.utc)
@@ -273,7 +304,7 @@ def main(argv=None):
         for packed in (False, True):
             for checkpointing in (False, True):
                 row = dict(T=T, packed=packed, checkpointing=checkpointing)
-                row.update(rounds(builds, T, packed, checkpointing, args.steps, args.rounds))
+                row.update(rounds(builds, T, packed, checkpointing, args.steps, args.rounds, args.alone))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     now = datetime.now(timezone.utc)
@@ -288,9 +319,9 @@ def main(argv=None):
         return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
              f"tokens/s (peak GiB), the median of {args.rounds} round(s) of {args.steps} steps, the models timed in "
-             "turn; SSE-H / fastest Qwen3: the median of the rounds' ratios (their range); SSE-H host / step: the "
-             "host's time to queue SSE-H's step over the step's time (near 1: the host, not the GPU, set the pace; "
-             "kernels/NOTES.md)",
+             f"turn{', each timing in a process of its own' if args.alone else ''}; SSE-H / fastest Qwen3: the "
+             "median of the rounds' ratios (their range); SSE-H host / step: the host's time to queue SSE-H's step "
+             "over the step's time (near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
              "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
     for r in rows:

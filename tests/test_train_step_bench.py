@@ -43,3 +43,24 @@ def test_a_model_out_of_memory_in_any_round_has_no_figure(timed):
     out = train_step.rounds(builds, 32768, True, False, steps=1, count=2)
     assert out["Qwen3-flex"] is None and out["Qwen3-fused-norm"] is None
     assert "paired" not in out
+
+
+def test_a_timing_alone_runs_the_script_in_a_process_of_its_own(monkeypatch):
+    """`measure_alone` runs this script with --alone MODEL and the configuration, and reads the timing from the
+    last line it prints; a null there is an out-of-memory, a failed process an error with its stderr."""
+    import subprocess
+    ran, replies = [], ['{"tokens_per_s": 5.0}', "null"]
+
+    def fake_run(argv, **kwargs):
+        ran.append(argv)
+        if len(ran) == 3:
+            return subprocess.CompletedProcess(argv, 1, "", "Traceback: boom")
+        return subprocess.CompletedProcess(argv, 0, f"compiling...\n{replies[len(ran) - 1]}\n", "")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert train_step.measure_alone("SSE-H", 8192, True, False, 4) == {"tokens_per_s": 5.0}
+    assert ran[0][1:] == [train_step.__file__, "--alone", "SSE-H", "--lengths", "8192", "--steps", "4", "--packed"]
+    with pytest.raises(torch.OutOfMemoryError):
+        train_step.measure_alone("Qwen3-flex", 32768, False, True, 4)
+    assert ran[1][-1] == "--checkpointing"
+    with pytest.raises(RuntimeError, match="boom"):
+        train_step.measure_alone("SSE-H", 8192, False, False, 4)
