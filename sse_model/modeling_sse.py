@@ -138,11 +138,11 @@ class SSEAttention(nn.Module):
         return o.reshape(S * longest, *o.shape[2:]).index_select(0, slot)[None]  # [1, L, heads, d]
 
 
-# Recipes whose tensors take at most this many bytes together are kept instead (`recomputed_when_saved`): at 8k
-# tokens of width 2048 in bf16 the layer's three inputs (96 MiB) and W_o's input (32 MiB), whose making again cost
-# each SSE layer ~0.1 ms of GPU work and ~0.2 ms of the host's (four launches, and a Python hook on each of the ~25
-# tensors its operator saves) in a step the host nearly bounds (kernels/NOTES.md); at 32k tokens (384 + 128 MiB),
-# where the memory counts, they are made again.
+# A block's recipes whose tensors take at most this many bytes together are kept instead (`recomputed_when_saved`):
+# at 8k tokens of width 2048 in bf16 the layer's three inputs (96 MiB, one block) and W_o's input (32 MiB, its own
+# block; kept up to 24k tokens), whose making again cost each SSE layer ~0.1 ms of GPU work and ~0.2 ms of the
+# host's (four launches, and a Python hook on each of the ~25 tensors its operator saves) in a step the host nearly
+# bounds (kernels/NOTES.md); at 32k tokens (384 and 128 MiB), where the memory counts, they are made again.
 RECIPES_ABOVE_BYTES = 96 * 2**20
 
 
