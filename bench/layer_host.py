@@ -1,6 +1,7 @@
 """Host time of the SSE training layer, against Qwen3's decoder layer: how long the CPU takes to queue one call.
 
     python bench/layer_host.py [--lengths 1024 8192] [--out bench/results] [--profile]
+    python bench/layer_host.py --pieces --lengths 8192     # the host's time per piece of a layer's forward
 
 A training step whose host queues kernels more slowly than the GPU runs them is bound by the host (with gradient
 checkpointing every layer's forward is queued twice). Each row times a loop of calls without synchronising, so
@@ -8,10 +9,14 @@ the host's time per call is what is measured while it stays ahead of the GPU ("h
 for the GPU at the end. Shapes as bench/train_step.py (width 2048, 16 heads of 128, SSE n4k1 + shared), bf16.
 Writes bench/results/layer_host_<date>.json with the device and date. `--profile` also writes, per length, where
 the host's time goes in one checkpointed forward + backward of each decoder layer (torch.profiler's CPU side: self
-time per op, kernel launches counted) to layer_host_<date>_profile.txt.
+time per op, kernel launches counted) to layer_host_<date>_profile.txt. `--pieces` instead times each piece of
+the two decoder layers' forward (and their forward + backward) with the GPU held by a sleep kernel, so that only the
+host's time is measured (`held_us`), to layer_host_pieces_<date>.json. Qwen3's RMSNorms run the project's kernel,
+as bench/train_step.py's Qwen3-fused-norm, the fair baseline.
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -55,6 +60,7 @@ def layers(T: int):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
+    import kernels
     from sse_model import SSEConfig
     from sse_model.configuration_sse import SSE_LAYER
     from sse_model.modeling_sse import SSEDecoderLayer
@@ -63,6 +69,8 @@ def layers(T: int):
     qwen_config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     qwen_config._attn_implementation = "sdpa"
     qwen = Qwen3DecoderLayer(qwen_config, 0)
+    for norm in (m for m in qwen.modules() if type(m).__name__ == "Qwen3RMSNorm"):  # as train_step's fused-norm Qwen3
+        norm.forward = lambda h, norm=norm: kernels.rms_norm(h, norm.weight, eps=norm.variance_epsilon)
     x = torch.randn(1, T, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(T, device="cuda")[None]
     rope = Qwen3RotaryEmbedding(qwen_config).to("cuda")(x, position_ids)
@@ -94,6 +102,47 @@ def measure(T: int, calls: int, built) -> dict:
     return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
 
 
+def held_us(fn, calls: int = 4, repeats: int = 7) -> float:
+    """Host us per call of `fn` while a sleep kernel holds the GPU: the median of `repeats` loops of `calls` calls.
+    Few calls a loop, so that their launches stay within CUDA's launch queue: a full queue makes the host wait on
+    the GPU, and that wait is not host time (20 calls of a whole decoder layer fill it)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(100_000_000)  # tens of ms, longer than the loop takes the host
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(times), 1)
+
+
+def pieces(T: int, built) -> dict:
+    """Host us per call of each piece of the two decoder layers' forward with gradients on (as a training step's),
+    and of their forward + backward (`held_us`)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    import kernels
+    sse, sse_fn, qwen, qwen_fn, x = built
+    mixer = sse.linear_attn
+    h = sse.input_layernorm(x)
+    inputs, gate = mixer.project(h, None, [])
+    o, _ = kernels.sse_attention(**inputs, **mixer.ops)
+    rope = Qwen3RotaryEmbedding(qwen.self_attn.config).to("cuda")(x, torch.arange(T, device="cuda")[None])
+    rows = {"input RMSNorm": (lambda: sse.input_layernorm(x), lambda: qwen.input_layernorm(x)),
+            "token mixer": (lambda: mixer(h), lambda: qwen.self_attn(h, position_embeddings=rope, attention_mask=None)),
+            "  projections (SSELayer.project)": (lambda: mixer.project(h, None, []), None),
+            "  operator (kernels.sse_attention)": (lambda: kernels.sse_attention(**inputs, **mixer.ops), None),
+            "  norm-gate + W_o (SSELayer.output)": (lambda: mixer.output(o, gate), None),
+            "MLP": (lambda: sse.mlp(h), lambda: qwen.mlp(h)),
+            "decoder layer, forward": (lambda: sse_fn(x), lambda: qwen_fn(x)),
+            "decoder layer, forward + backward": (lambda: fwd_bwd(sse_fn, x), lambda: fwd_bwd(qwen_fn, x))}
+    return {name: [None if fn is None else held_us(fn) for fn in fns] for name, fns in rows.items()}
+
+
 def host_profile(T: int, built, calls: int = 20) -> str:
     """torch.profiler's CPU-side table of `calls` checkpointed forward + backward passes of each decoder layer
     (`built`: what `layers(T)` returns)."""
@@ -123,8 +172,23 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="also write where the host's time goes")
+    p.add_argument("--pieces", action="store_true", help="the host's time per piece of a layer instead (`pieces`)")
     args = p.parse_args(argv)
     built = {T: layers(T) for T in args.lengths}
+    if args.pieces:
+        now = datetime.now(timezone.utc)
+        results = {T: pieces(T, built[T]) for T in args.lengths}
+        print(f"Host us per call with the GPU held, {torch.cuda.get_device_name()}, {now:%Y-%m-%d %H:%M} UTC "
+              "(SSE decoder layer / Qwen3 decoder layer with the fused RMSNorm; forward with gradients on)")
+        for T, rows in results.items():
+            print(f"\n| T = {T} | SSE | Qwen3 |\n| --- | ---: | ---: |")
+            for name, cells in rows.items():
+                print(f"| {name} | " + " | ".join("" if c is None else f"{c:.0f}" for c in cells) + " |")
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                      torch=torch.__version__, shape=SHAPE, columns=["SSE", "Qwen3"], results=results)
+        (args.out / f"layer_host_pieces_{now:%Y%m%d-%H%M}.json").write_text(json.dumps(report, indent=1))
+        return
     results = {T: measure(T, args.calls, built[T]) for T in args.lengths}
     now = datetime.now(timezone.utc)
     print(f"Host time per call, {torch.cuda.get_device_name()}, {now:%Y-%m-%d %H:%M} UTC (host us / wall us)")
