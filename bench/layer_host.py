@@ -6,13 +6,14 @@
 A training step whose host queues kernels more slowly than the GPU runs them is bound by the host (with gradient
 checkpointing every layer's forward is queued twice). Each row times a loop of calls without synchronising, so
 the host's time per call is what is measured while it stays ahead of the GPU ("host us"); "wall us" adds the wait
-for the GPU at the end. Shapes as bench/train_step.py (width 2048, 16 heads of 128, SSE n4k1 + shared), bf16.
-Writes bench/results/layer_host_<date>.json with the device and date. `--profile` also writes, per length, where
-the host's time goes in one checkpointed forward + backward of each decoder layer (torch.profiler's CPU side: self
-time per op, kernel launches counted) to layer_host_<date>_profile.txt. `--pieces` instead times each piece of
-the two decoder layers' forward (and their forward + backward) with the GPU held by a sleep kernel, so that only the
-host's time is measured (`held_us`), to layer_host_pieces_<date>.json. Qwen3's RMSNorms run the project's kernel,
-as bench/train_step.py's Qwen3-fused-norm, the fair baseline.
+for the GPU at the end. Shapes as bench/train_step.py (width 2048, 16 heads of 128, SSE n4k1 + shared), bf16;
+Qwen3's RMSNorms run the project's kernel, as train_step's Qwen3-fused-norm, the fair baseline (since 2026-11-29;
+earlier results had transformers' eager norm). Writes bench/results/layer_host_<date>.json with the device and
+date. `--profile` also writes, per length, where the host's time goes in one checkpointed forward + backward of
+each decoder layer (torch.profiler's CPU side: self time per op, kernel launches counted) to
+layer_host_<date>_profile.txt. `--pieces` instead times each piece of the two decoder layers' forward (and their
+forward + backward) with the GPU held by a sleep kernel, so that only the host's time is measured (`held_us`), to
+layer_host_pieces_<date>.json.
 """
 import argparse
 import json
