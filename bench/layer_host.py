@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_step import SHAPE  # noqa: E402
+from train_step import SHAPE, fuse_norms  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -61,7 +61,6 @@ def layers(T: int):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    import kernels
     from sse_model import SSEConfig
     from sse_model.configuration_sse import SSE_LAYER
     from sse_model.modeling_sse import SSEDecoderLayer
@@ -70,8 +69,7 @@ def layers(T: int):
     qwen_config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     qwen_config._attn_implementation = "sdpa"
     qwen = Qwen3DecoderLayer(qwen_config, 0)
-    for norm in (m for m in qwen.modules() if type(m).__name__ == "Qwen3RMSNorm"):  # as train_step's fused-norm Qwen3
-        norm.forward = lambda h, norm=norm: kernels.rms_norm(h, norm.weight, eps=norm.variance_epsilon)
+    fuse_norms(qwen)  # as train_step's Qwen3-fused-norm
     x = torch.randn(1, T, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(T, device="cuda")[None]
     rope = Qwen3RotaryEmbedding(qwen_config).to("cuda")(x, position_ids)

@@ -56,14 +56,19 @@ def models():
 def qwen3(attention: str, fused_norm: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import kernels
-
     config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     model = Qwen3ForCausalLM._from_config(config, attn_implementation=attention)
-    if fused_norm:  # Qwen3RMSNorm runs the same float ops as SSERMSNorm, which kernels.rms_norm fuses
-        for norm in [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]:
-            norm.forward = lambda x, norm=norm: kernels.rms_norm(x, norm.weight, eps=norm.variance_epsilon)
+    if fused_norm:
+        fuse_norms(model)
     return model
+
+
+def fuse_norms(module):
+    """Every Qwen3RMSNorm in `module` runs kernels.rms_norm: it computes the same float ops as SSERMSNorm, which
+    that kernel fuses."""
+    import kernels
+    for norm in [m for m in module.modules() if type(m).__name__ == "Qwen3RMSNorm"]:
+        norm.forward = lambda x, norm=norm: kernels.rms_norm(x, norm.weight, eps=norm.variance_epsilon)
 
 
 def on_gpu(build):
