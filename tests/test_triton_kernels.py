@@ -105,7 +105,7 @@ def test_routing_counting_sort(device, N, K, shared, lengths):
     bounds = torch.tensor([0] + lengths, device=device).cumsum(0)
     L, S, P, J = int(bounds[-1]), len(lengths), N + shared, K + shared
     logits = torch.randn(L, N, device=device, dtype=random.choice([F32, BF16]))
-    idx, pos, cu, part, row_token = route_varlen(logits, bounds, K, shared)
+    idx, pos, cu, part, row_token, *_ = route_varlen(logits, bounds, K, shared)
     assert torch.equal(logits.gather(1, idx.long()), logits.topk(K, 1).values), "top-K"
     # Reference: a stable argsort of (segment, partition) over rows in (token, selection) order.
     want_part = torch.cat([idx.long(), torch.full((L, int(shared)), N, device=device)], 1)
@@ -123,6 +123,20 @@ def test_routing_counting_sort(device, N, K, shared, lengths):
     assert torch.equal(row_token.long(), want_row_token), "row -> token"
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, BF16])
+def test_carve_gives_aligned_disjoint_parts(dtype):
+    """The routing tables come from one allocation: every part has its length, starts 16-byte aligned (Triton
+    specialises on it) and owns its elements (writing one part leaves the others as they were)."""
+    from kernels.triton.common import carve
+    sizes = [random.randrange(0, 40) for _ in range(6)] + [0, 1, 3]
+    parts = carve(sizes, dtype, torch.device("cpu"))
+    assert [p.numel() for p in parts] == sizes and all(p.dtype == dtype and p.is_contiguous() for p in parts)
+    assert all(p.data_ptr() % 16 == 0 for p in parts), [p.data_ptr() % 16 for p in parts]
+    for i, p in enumerate(parts):
+        p.fill_(i)
+    assert all(bool((p == i).all()) for i, p in enumerate(parts))
+
+
 def test_routing_nan_logits_pick_real_partitions(device):
     """Router logits gone NaN route to real partitions: a NaN counts as the largest score (torch.topk's order), and
     a row of NaNs takes the lowest indices; the rows and groups stay consistent (no partition past N)."""
@@ -131,7 +145,7 @@ def test_routing_nan_logits_pick_real_partitions(device):
     logits = torch.randn(6, N, device=device)
     logits[1, 2] = logits[4, 0] = float("nan")
     logits[3] = float("nan")
-    idx, pos, cu, part, row_token = route_varlen(logits, torch.tensor([0, 6], device=device), K, True)
+    idx, pos, cu, part, row_token, *_ = route_varlen(logits, torch.tensor([0, 6], device=device), K, True)
     assert torch.equal(idx[3].long(), torch.arange(K, device=device)), idx
     rows = [0, 1, 2, 4, 5]
     assert torch.equal(idx[rows].long(), logits[rows].topk(K, 1).indices), idx

@@ -32,7 +32,8 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
     num_segments = bounds.numel() - 1
     e = router_logits.reshape(L, N)
     if layout == "varlen":
-        _, pos, gla_cu, part, _ = route_varlen(e, bounds, top_k, shared)
+        routing = route_varlen(e, bounds, top_k, shared)
+        pos, gla_cu, part = routing.pos, routing.cu, routing.part
         gla_shape, state_shape = (1, L * (top_k + shared), H), (num_segments * P, H, c, dv)
     else:
         idx = route_topk(e, top_k)

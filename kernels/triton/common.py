@@ -5,6 +5,7 @@ All of them take 2-D float32 register tiles [rows, columns] and reduce over the 
 """
 import functools
 
+import torch
 import triton
 import triton.language as tl
 
@@ -16,6 +17,16 @@ def pow2(n: int) -> int:
     `constexpr_function` there; 0.1 us cached), and the host's time bounds a short training step on a slow host
     (kernels/NOTES.md)."""
     return triton.next_power_of_2(n)
+
+
+def carve(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """1-D tensors of `sizes` elements carved from one allocation: two torch ops however many tensors, where each
+    `torch.empty` costs the host 4-11 us (H200 node) and an SSE layer's forward made ~20 of them. Each part starts
+    16-byte aligned: Triton specialises a kernel on its pointers' alignment, and parts that were aligned or not as
+    lengths change would compile other variants mid-run."""
+    align = max(1, 16 // dtype.itemsize)
+    sizes_and_pads = [m for n in sizes for m in (n, -n % align)]
+    return list(torch.empty(sum(sizes_and_pads), dtype=dtype, device=device).split(sizes_and_pads)[::2])
 
 
 @triton.jit

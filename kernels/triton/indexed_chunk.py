@@ -27,6 +27,8 @@ Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`
 The decay gradient uses dg_t = sum over u >= t of (q_u dq_u - k_u dk_u) within the chunk, plus
 sum_v(h_after * dh_after): everything after the chunk sees this chunk's decays only through h_after.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -321,16 +323,17 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
     shared keys, shared g), one `_keys_kernel` launch; log_decay holds decay logits when `decay_normalizer` is
     given. Without a shared partition the shared slots repeat the routed ones (never read)."""
-    L, H, C = k_logits.shape
-    shared = q_shared is not None
-
-    def new():
-        return torch.empty(L, H, C, dtype=q.dtype, device=q.device)
+    H, C = k_logits.shape[-2:]
+    L = k_logits.numel() // (H * C)
+    shared, made_g = q_shared is not None, decay_normalizer is not None or bool(row_topk)
     # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
-    # it is read K + 1 times per token by five kernels.
-    keys, g = new(), new() if decay_normalizer is not None or row_topk else log_decay
-    keys_s = new() if shared else keys
-    g_s = new() if shared and row_topk else g  # without row-sparse keys the shared rows decay as the routed ones
+    # it is read K + 1 times per token by five kernels. All made tensors are one allocation (one op, not four).
+    made = iter(torch.empty(1 + made_g + shared + (shared and bool(row_topk)), *k_logits.shape, dtype=q.dtype,
+                            device=q.device).unbind(0))
+    keys = next(made)
+    g = next(made) if made_g else log_decay
+    keys_s = next(made) if shared else keys
+    g_s = next(made) if shared and row_topk else g  # without row-sparse keys the shared rows decay as the routed ones
     if L:
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
@@ -371,15 +374,13 @@ class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
                 scale, row_topk, chunk_size, decay_normalizer, final_returned):
-        # [B, T, H, -1] in and out; token rows [L, H, -1] inside (reshaped here, where autograd records no views)
-        ctx.shapes = [None if t is None else t.shape for t in (q, k_logits, v, log_decay, router_logits, q_shared,
-                                                                 k_shared_logits)]
+        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1]: contiguous, nothing is reshaped (each
+        # reshape or view costs the host 2-5 us, and the SSE layer's host time bounds short training steps)
         B, T, H, C = q.shape
         L = B * T
-        q, k_logits, v, log_decay, q_shared, k_shared_logits = (
-            None if t is None else t.reshape(L, H, -1).contiguous()
-            for t in (q, k_logits, v, log_decay, q_shared, k_shared_logits))
-        router_logits = router_logits.reshape(L, -1).contiguous()
+        q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits = (
+            None if t is None else t.contiguous()
+            for t in (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits))
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
@@ -413,9 +414,9 @@ class _IndexedChunk(torch.autograd.Function):
         S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
-        L, H, C = q.shape
+        B, T, H, C = q.shape
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
-        do = do.reshape(L, H, V).contiguous()
+        do = do.contiguous()
         if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
             sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                    decay_normalizer)
@@ -439,7 +440,6 @@ class _IndexedChunk(torch.autograd.Function):
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-        grads = [None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)]
         return (*grads, dh0, None, None, None, None, None, None)
 
 
@@ -453,7 +453,7 @@ def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
     `_chunk_sums_kernel` and `_scan_kernel` (their largest)."""
     q, keys, g, e, qs, keys_s, gs = sources
     row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
-    L, H, C = q.shape
+    H, C = q.shape[-2:]
     V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
     sums = torch.empty(H, NC, C, V, dtype=torch.float32 if exact_last else x.dtype, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
@@ -476,8 +476,8 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
                  row_topk, decay_normalizer):
     """The row gradients summed back to the token inputs, through the softmaxes (and the decay logits' logsigmoid)
     (expand.py's backward)."""
-    L, H, C = q.shape
-    V, N, J = v.shape[-1], router_logits.shape[-1], part.shape[1]
+    H, C = q.shape[-2:]
+    (L, J), V, N = part.shape, v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
     dq, dk, de = torch.empty_like(q), torch.empty_like(k_logits), torch.empty_like(router_logits)
     dv, dg = torch.empty_like(v), torch.empty_like(log_decay)
@@ -491,44 +491,20 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     return dq, dk, dv, dg, de, dqs, dks
 
 
-@triton.jit(do_not_specialize=["G", "num_slots"])
-def _chunk_index_kernel(cu_ptr, chunk_first_ptr, chunk_group_ptr, G, num_slots, CHUNK_ROWS: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr):
-    """chunk_first [G + 1]: chunks of the groups before each group (program 0 stores it); chunk_group: the group
-    of each of this program's chunk slots (G past the last chunk), i.e. how many groups end at or before it."""
-    pid = tl.program_id(0)
-    slot = pid * BLOCK_S + tl.arange(0, BLOCK_S)
-    group = tl.zeros([BLOCK_S], tl.int32)
-    done = tl.sum(tl.zeros([BLOCK_G], tl.int64), 0)  # chunks of the groups before this tile
-    for g0 in range(0, G, BLOCK_G):
-        g = g0 + tl.arange(0, BLOCK_G)
-        size = tl.load(cu_ptr + g + 1, mask=g < G, other=0) - tl.load(cu_ptr + g, mask=g < G, other=0)
-        chunks = (size + CHUNK_ROWS - 1) // CHUNK_ROWS
-        ends = done + tl.cumsum(chunks, 0)
-        if pid == 0:
-            tl.store(chunk_first_ptr + g + 1, ends, mask=g < G)
-        group += tl.sum(((ends[None, :] <= slot[:, None]) & (g[None, :] < G)).to(tl.int32), 1)
-        done += tl.sum(chunks, 0)
-    if pid == 0:
-        tl.store(chunk_first_ptr, 0)
-    tl.store(chunk_group_ptr + slot, group, mask=slot < num_slots)
-
-
 def index_tables(router_logits, bounds, top_k, shared, chunk_size):
-    """Routing and the chunk index: (row_token [R], group bounds [G + 1], first chunk of each group [G + 1],
-    group of each chunk slot [NC] (G past the last chunk), part and pos [L, K + shared], S, P). NC is an upper
-    bound known on the host, so nothing waits for the device. Four launches and no torch op between them
-    (routing.py says why)."""
-    L, N = router_logits.shape
-    S, P, J = bounds.numel() - 1, N + shared, top_k + shared
-    routing = route_varlen(router_logits, bounds, top_k, shared)
-    G, num_slots = S * P, triton.cdiv(L * J, chunk_size) + S * P
-    chunk_first = torch.empty(G + 1, dtype=torch.int64, device=router_logits.device)
-    chunk_group = torch.empty(num_slots, dtype=torch.int32, device=router_logits.device)
-    block_s = 128
-    _chunk_index_kernel[(max(1, triton.cdiv(num_slots, block_s)),)](routing.cu, chunk_first, chunk_group, G,
-                                                                     num_slots, chunk_size, block_s, 128)
-    return routing.row_token, routing.cu, chunk_first, chunk_group, routing.part, routing.pos, S, P
+    """Routing and the chunk index (`route_varlen`, three launches): (row_token [R], group bounds [G + 1], first
+    chunk of each group [G + 1], group of each chunk slot [NC] (G past the last chunk), part and pos
+    [L, K + shared], S, P)."""
+    routing = route_varlen(router_logits, bounds, top_k, shared, chunk_size)
+    return (routing.row_token, routing.cu, routing.chunk_first, routing.chunk_group, routing.part, routing.pos,
+            bounds.numel() - 1, router_logits.shape[-1] + shared)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_bounds(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """Segment bounds of B unpadded rows of T tokens, made once per shape (two torch ops a call otherwise); read
+    only."""
+    return torch.arange(B + 1, device=device) * T
 
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
@@ -537,10 +513,9 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
     logits (see there)."""
     B, T, _, c = q.shape
-    L, N = B * T, router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale
-    bounds = torch.arange(B + 1, device=q.device) * T if cu_seqlens is None else cu_seqlens
-    tables = index_tables(router_logits.detach().reshape(L, N), bounds, top_k, q_shared is not None, chunk_size)
+    bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
+    tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                                    tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state)
     return o, (final if output_final_state else None)

@@ -7,13 +7,15 @@ are contiguous in time, so with C(t)[n] = number of tokens before t that selecte
     row of (t, n) = first row of group (seg(t), n) + C(t)[n] - C(start of seg(t))[n]
 
 Three launches, each parallel over tokens or segments, no host synchronisation and no torch op between them (each
-op or launch costs the host 5-40 us, and a training step routes every SSE layer, twice with checkpointing):
+op or launch costs the host 5-40 us, and a training step routes every SSE layer, twice with checkpointing; the
+tables are two allocations, `carve`):
 1. `_route_kernel`, per block of tokens: top-K partitions and the block's histogram over partitions.
 2. `_segment_kernel`, per segment: group sizes from C at the segment's two ends -> the new cu_seqlens and the
    per-group base `first row - C(start)`; and the segment of each of its tokens. Empty groups just get an empty
    range: no work is launched for them.
 3. `_position_kernel`, per block of tokens: C(t) from an in-block cumsum, then each row's position, partition and
-   the inverse map (row -> token).
+   the inverse map (row -> token); with a chunk size (the indexed chunk kernels'), further programs of the same
+   launch index the groups' chunks (`_chunk_index`), which needs only the new cu_seqlens.
 C at a block's start is the sum of the histograms of the blocks before it, summed where it is needed.
 `pos` [L, K + shared] (row of each token's j-th selection) is a bijection onto the rows, so it is both the
 reorder index (the gather writes row pos[t, j]) and the inverse map (the scatter back reads it).
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import pow2, top1
+from kernels.triton.common import carve, pow2, top1
 
 BLOCK_T = 256  # tokens per program in the token-parallel kernels
 HIST_BLOCKS = tl.constexpr(64)  # token blocks' histograms summed per step
@@ -95,10 +97,39 @@ def _segment_kernel(bounds_ptr, idx_ptr, hist_ptr, cu_ptr, base_ptr, seg_ptr, nu
         tl.store(seg_ptr + t, s, mask=t < end)
 
 
-@triton.jit(do_not_specialize=["L"])
-def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, row_token_ptr, L, N,
-                     K: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit
+def _chunk_index(pid, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, num_slots, CHUNK_ROWS: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr):
+    """chunk_first [G + 1]: chunks of the groups before each group (program 0 stores it); chunk_group: the group
+    of each of this program's chunk slots (G past the last chunk), i.e. how many groups end at or before it."""
+    slot = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+    group = tl.zeros([BLOCK_S], tl.int32)
+    done = tl.sum(tl.zeros([BLOCK_G], tl.int64), 0)  # chunks of the groups before this tile
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        size = tl.load(cu_ptr + g + 1, mask=g < G, other=0) - tl.load(cu_ptr + g, mask=g < G, other=0)
+        chunks = (size + CHUNK_ROWS - 1) // CHUNK_ROWS
+        ends = done + tl.cumsum(chunks, 0)
+        if pid == 0:
+            tl.store(chunk_first_ptr + g + 1, ends, mask=g < G)
+        group += tl.sum(((ends[None, :] <= slot[:, None]) & (g[None, :] < G)).to(tl.int32), 1)
+        done += tl.sum(chunks, 0)
+    if pid == 0:
+        tl.store(chunk_first_ptr, 0)
+    tl.store(chunk_group_ptr + slot, group, mask=slot < num_slots)
+
+
+@triton.jit(do_not_specialize=["L", "token_blocks", "G", "num_slots"])
+def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, row_token_ptr, cu_ptr, chunk_first_ptr,
+                     chunk_group_ptr, L, N, token_blocks, G, num_slots, K: tl.constexpr, SHARED: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Programs [0, token_blocks): positions of a block of tokens' rows; the rest: the chunk index (`_chunk_index`,
+    BLOCK_S slots each), launched with them to save the host a launch."""
     blk = tl.program_id(0)
+    if blk >= token_blocks:
+        _chunk_index(blk - token_blocks, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, num_slots, CHUNK_ROWS, BLOCK_S,
+                     128)
+        return
     t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.arange(0, BLOCK_N)[None, :]
     live = t < L
@@ -123,20 +154,15 @@ def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, ro
         tl.store(row_token_ptr + row, t, mask=live)
 
 
-def _topk(router_logits: torch.Tensor, top_k: int):
-    L, N = router_logits.shape
-    block_n = pow2(N)
-    blocks = triton.cdiv(L, BLOCK_T)
-    idx = torch.empty(L, top_k, dtype=torch.int32, device=router_logits.device)
-    hist = torch.empty(blocks, block_n, dtype=torch.int32, device=router_logits.device)
-    if L:
-        _route_kernel[(blocks,)](router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, block_n)
-    return idx, hist
-
-
 def route_topk(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Top-K partitions [L, K] (int32, descending logits) of router logits [L, N]."""
-    return _topk(router_logits, top_k)[0]
+    L, N = router_logits.shape
+    blocks = triton.cdiv(L, BLOCK_T)
+    idx, hist = carve([L * top_k, blocks * pow2(N)], torch.int32, router_logits.device)
+    idx = idx.view(L, top_k)
+    if L:
+        _route_kernel[(blocks,)](router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, pow2(N))
+    return idx
 
 
 class Routing(NamedTuple):
@@ -146,24 +172,35 @@ class Routing(NamedTuple):
     cu: torch.Tensor         # [S * (N + shared) + 1] int64: bounds of the (segment, partition) groups
     part: torch.Tensor       # [L, J] int32: partition of each (token, selection), N for the shared one
     row_token: torch.Tensor  # [L * J] int32: token of each row (pos's inverse)
+    # with a chunk size: the first chunk of each group [G + 1] int64 (G = len(cu) - 1), and the group of each of
+    # the cdiv(L * J, chunk size) + G chunk slots [NC] int32 (G past the last chunk); else None
+    chunk_first: torch.Tensor | None
+    chunk_group: torch.Tensor | None
 
 
-def route_varlen(router_logits: torch.Tensor, bounds: torch.Tensor, top_k: int, shared: bool) -> Routing:
-    """Routing for the varlen layout: router_logits [L, N]; bounds [S + 1] token offsets of the S segments
-    (cu_seqlens). The groups of `cu` are segment-major, shared partition last in each segment."""
-    L, N = router_logits.shape
+def route_varlen(router_logits: torch.Tensor, bounds: torch.Tensor, top_k: int, shared: bool,
+                 chunk_size: int | None = None) -> Routing:
+    """Routing for the varlen layout: router_logits [..., N] (L tokens); bounds [S + 1] token offsets of the S
+    segments (cu_seqlens). The groups of `cu` are segment-major, shared partition last in each segment. With
+    `chunk_size`, also the groups' chunks of that many rows (`Routing`); their number of slots is an upper bound
+    known on the host, so nothing waits for the device."""
+    N = router_logits.shape[-1]
+    L = router_logits.numel() // N
     S, P, J = bounds.numel() - 1, N + shared, top_k + shared
-    device = router_logits.device
-    idx, hist = _topk(router_logits, top_k)
-    block_n = hist.shape[1]
-    bounds = bounds.to(device=device, dtype=torch.int64).contiguous()
-    cu = torch.empty(S * P + 1, dtype=torch.int64, device=device)
-    base = torch.empty(S, P, dtype=torch.int64, device=device)
-    seg = torch.empty(L, dtype=torch.int32, device=device)
-    pos, part = (torch.empty(L, J, dtype=torch.int32, device=device) for _ in range(2))
-    row_token = torch.empty(L * J, dtype=torch.int32, device=device)
-    _segment_kernel[(S,)](bounds, idx, hist, cu, base, seg, S, N, top_k, shared, BLOCK_T, block_n)
+    G, device, block_n, blocks = S * P, router_logits.device, pow2(N), triton.cdiv(L, BLOCK_T)
+    num_slots = triton.cdiv(L * J, chunk_size) + G if chunk_size else 0
+    idx, hist, seg, pos, part, row_token, chunk_group = carve(
+        [L * top_k, blocks * block_n, L, L * J, L * J, L * J, num_slots], torch.int32, device)
+    cu, base, chunk_first = carve([G + 1, G, G + 1 if chunk_size else 0], torch.int64, device)
+    idx, pos, part = idx.view(L, top_k), pos.view(L, J), part.view(L, J)
     if L:
-        _position_kernel[(triton.cdiv(L, BLOCK_T),)](idx, hist, seg, base, pos, part, row_token, L, N, top_k,
-                                                     shared, BLOCK_T, block_n)
-    return Routing(idx, pos, cu, part, row_token)
+        _route_kernel[(blocks,)](router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, block_n)
+    bounds = bounds.to(device=device, dtype=torch.int64).contiguous()
+    _segment_kernel[(S,)](bounds, idx, hist, cu, base, seg, S, N, top_k, shared, BLOCK_T, block_n)
+    block_s = 128  # chunk slots per program
+    grid = blocks + (triton.cdiv(num_slots, block_s) if chunk_size else 0)
+    if grid:
+        _position_kernel[(grid,)](idx, hist, seg, base, pos, part, row_token, cu, chunk_first, chunk_group, L, N,
+                                  blocks, G, num_slots, top_k, shared, BLOCK_T, block_n, chunk_size or 1, block_s)
+    return Routing(idx, pos, cu, part, row_token, chunk_first if chunk_size else None,
+                   chunk_group if chunk_size else None)
