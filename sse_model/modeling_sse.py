@@ -240,9 +240,10 @@ class SSEInputProjections(torch.autograd.Function):
     Returned as [B, T, H, -1] heads (router [B, T, N], codes [B, T, sum of ranks], which the layer's recipes make
     the low-rank terms again from; not differentiable). Why one node: as separate modules these were ~40 autograd
     nodes per layer and x's gradient came as 6 products summed by 5 bf16 adds; the SSE layer's host time bound
-    the 8k training step (kernels/NOTES.md). Here the backward sums x's gradient inside the GEMMs (addmm) and runs
-    no autograd bookkeeping in between. Gradients are those of the same modules up to the order of that sum
-    (float64 gradcheck and the modules' autograd in tests/test_model.py). Under autocast the forward's ops cast as
+    the 8k training step (kernels/NOTES.md). Here the backward takes x's gradient and the weights' from one GEMM
+    each over the projections' concatenated gradients and runs no autograd bookkeeping in between. Gradients are
+    those of the same modules up to the order of the sums (float64 gradcheck and the modules' autograd in
+    tests/test_model.py). Under autocast the forward's ops cast as
     nn.Linear's would, and the backward runs in the outputs' dtype with the gradients cast back to each input's.
     Keeps x, the weights and the codes for the backward (the modules kept x and the codes too)."""
 
@@ -289,17 +290,26 @@ class SSEInputProjections(torch.autograd.Function):
             ups += [(rows(dq_shared), w_q_shared_up, None, shared_codes[0]),
                     (rows(dk_shared), w_k_shared_up, None, shared_codes[1])]
         up_grads = [weight_grads(*up) for up in ups]
-        d_codes = torch.cat([dy @ w.to(dtype) for dy, w, _, _ in ups], -1)
-        downs = torch.cat([w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else []))
-        projections = [(rows(dq), w_q, b_q), (rows(dk), w_k, b_k), (rows(dv), w_v, b_v),
-                       (rows(dgate), w_gate, b_gate), (d_codes, downs, None), (rows(drouter), w_router, None)]
-        # x's gradient: the products summed inside the GEMMs (addmm; no add kernels in between)
-        dx = projections[0][0] @ w_q.to(dtype)
-        for dy, w, _ in projections[1:]:
-            dx.addmm_(dy, w.to(dtype))
-        (dw_q, db_q), (dw_k, db_k), (dw_v, db_v), (dw_gate, db_gate), (dw_downs, _), (dw_router, _) = (
-            weight_grads(dy, w, b, x2) for dy, w, b in projections)
-        dw_downs = dw_downs.split(sizes)
+        # x's projections as one: dY = [dq dk dv dgate d_codes drouter] against W = [W_q; W_k; ...; W_router] gives
+        # x's gradient and every weight's in two GEMMs (the products summed inside the GEMM), where one GEMM per
+        # weight and one per product ran ~40 torch calls on the host (~0.4 ms of an SSE layer's backward; the host
+        # bounds the 8k step with checkpointing, kernels/NOTES.md) at the cost of copying dY and W once.
+        # The router's few columns stay out: with them the concatenated width was 8388, not a multiple of 8, and the
+        # 8k and 32k steps took 11 % longer on an H200 (cuBLAS's fast kernels want 16-byte aligned rows; the ranks
+        # of the low-rank terms are multiples of 8 in every config here).
+        weights = [w_q, w_k, w_v, w_gate, w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else [])
+        widths = [w.shape[0] for w in weights]
+        dy = torch.cat([rows(dq), rows(dk), rows(dv), rows(dgate)] + [d_up @ w.to(dtype) for d_up, w, _, _ in ups],
+                       -1)
+        d_router = rows(drouter)
+        dx = torch.addmm(d_router @ w_router.to(dtype), dy, torch.cat(weights).to(dtype))
+        dw_q, dw_k, dw_v, dw_gate, *dw_downs = (g.to(w.dtype) for g, w in zip((dy.t() @ x2).split(widths), weights))
+        dw_router = (d_router.t() @ x2).to(w_router.dtype)
+        db_q, db_k, db_v, db_gate = (None,) * 4
+        biases = (b_q, b_k, b_v, b_gate)
+        if any(b is not None for b in biases):
+            db_q, db_k, db_v, db_gate = (None if b is None else db.to(b.dtype)
+                                         for db, b in zip(dy[:, :sum(widths[:4])].sum(0).split(widths[:4]), biases))
         shared_grads = (dw_downs[1], up_grads[1][0], dw_downs[2], up_grads[2][0]) if lora else (None,) * 4
         return (dx.view(x.shape).to(x.dtype), None, dw_q, db_q, dw_k, db_k, dw_v, db_v, dw_gate, db_gate, dw_router,
                 dw_downs[0], *up_grads[0], *shared_grads)
