@@ -414,7 +414,7 @@ class _IndexedChunk(torch.autograd.Function):
         S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
-        B, T, H, C = q.shape
+        H, C = q.shape[-2:]
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.contiguous()
         if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
