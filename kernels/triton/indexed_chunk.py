@@ -328,12 +328,13 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     shared, made_g = q_shared is not None, decay_normalizer is not None or bool(row_topk)
     # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
     # it is read K + 1 times per token by five kernels. All made tensors are one allocation (one op, not four).
-    made = iter(torch.empty(1 + made_g + shared + (shared and bool(row_topk)), *k_logits.shape, dtype=q.dtype,
-                            device=q.device).unbind(0))
-    keys = next(made)
-    g = next(made) if made_g else log_decay
-    keys_s = next(made) if shared else keys
-    g_s = next(made) if shared and row_topk else g  # without row-sparse keys the shared rows decay as the routed ones
+    buffers = iter(torch.empty(1 + made_g + shared + (shared and bool(row_topk)), *k_logits.shape, dtype=q.dtype,
+                               device=q.device).unbind(0))
+    keys = next(buffers)
+    g = next(buffers) if made_g else log_decay
+    keys_s = next(buffers) if shared else keys
+    # without row-sparse keys the shared rows decay as the routed ones
+    g_s = next(buffers) if shared and row_topk else g
     if L:
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
