@@ -56,25 +56,26 @@ def fwd_bwd(fn, *inputs, checkpointing=None):
 CHECKPOINT = dict(use_reentrant=False)  # as bench/train_step.py's gradient checkpointing
 
 
-def layers(T: int):
-    """(SSE decoder layer, Qwen3 decoder layer, their inputs) of bench/train_step.py's models."""
+def layers(T: int, device: str = "cuda", shape: dict = SHAPE, sse_impl: str = "auto"):
+    """(SSE decoder layer, its call, Qwen3 decoder layer, its call, their input) of bench/train_step.py's models,
+    bf16 (`shape`: another width for bench/layer_ops.py's count on the CPU)."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     from sse_model import SSEConfig
     from sse_model.configuration_sse import SSE_LAYER
     from sse_model.modeling_sse import SSEDecoderLayer
-    sse = SSEDecoderLayer(SSEConfig(**SHAPE, sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True,
-                                    sse_lora_rank=64, layer_types=[SSE_LAYER] * 6), 0)
-    qwen_config = Qwen3Config(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    sse = SSEDecoderLayer(SSEConfig(**shape, sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True,
+                                    sse_lora_rank=64, layer_types=[SSE_LAYER] * 6, sse_impl=sse_impl), 0)
+    qwen_config = Qwen3Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     qwen_config._attn_implementation = "sdpa"
     qwen = Qwen3DecoderLayer(qwen_config, 0)
     fuse_norms(qwen)  # as train_step's Qwen3-fused-norm
-    x = torch.randn(1, T, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    position_ids = torch.arange(T, device="cuda")[None]
-    rope = Qwen3RotaryEmbedding(qwen_config).to("cuda")(x, position_ids)
-    return (sse.to("cuda", torch.bfloat16), lambda h: sse(h)[0],
-            qwen.to("cuda", torch.bfloat16), lambda h: qwen(h, position_embeddings=rope, attention_mask=None,
+    x = torch.randn(1, T, shape["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    position_ids = torch.arange(T, device=device)[None]
+    rope = Qwen3RotaryEmbedding(qwen_config).to(device)(x, position_ids)
+    return (sse.to(device, torch.bfloat16), lambda h: sse(h)[0],
+            qwen.to(device, torch.bfloat16), lambda h: qwen(h, position_embeddings=rope, attention_mask=None,
                                                             position_ids=position_ids), x)
 
 

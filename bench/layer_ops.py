@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_step import SHAPE, fuse_norms  # noqa: E402
+from layer_host import layers  # noqa: E402
+from train_step import SHAPE  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
 
@@ -67,34 +68,11 @@ def gpu_path_on_cpu(launches: collections.Counter):
         dispatch._triton_or_torch = pick
 
 
-def layers(T: int = 64):
-    """(SSE decoder layer on the indexed operator, Qwen3 decoder layer with the fused norm, their input), bf16."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
-
-    from sse_model import SSEConfig
-    from sse_model.configuration_sse import SSE_LAYER
-    from sse_model.modeling_sse import SSEDecoderLayer
-    shape = {**SHAPE, **TINY}
-    sse = SSEDecoderLayer(SSEConfig(**shape, sse_num_partitions=4, sse_top_k=1, sse_shared_partition=True,
-                                    sse_lora_rank=64, layer_types=[SSE_LAYER] * 6, sse_impl="triton_indexed"), 0)
-    config = Qwen3Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    config._attn_implementation = "sdpa"
-    qwen = Qwen3DecoderLayer(config, 0)
-    fuse_norms(qwen)
-    sse, qwen = sse.to(torch.bfloat16), qwen.to(torch.bfloat16)
-    x = torch.randn(1, T, shape["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
-    position_ids = torch.arange(T)[None]
-    rope = Qwen3RotaryEmbedding(config)(x, position_ids)
-    return ({"SSE": lambda h: sse(h)[0],
-             "Qwen3": lambda h: qwen(h, position_embeddings=rope, attention_mask=None, position_ids=position_ids)},
-            (sse, qwen), x)
-
-
 def measure() -> dict:
     """{layer: {"forward" | "backward" | "checkpointed forward + backward": {"aten_ops", "launches",
     "by_kernel"}}}."""
-    calls, modules, x = layers()
+    sse, sse_fn, qwen, qwen_fn, x = layers(64, "cpu", {**SHAPE, **TINY}, sse_impl="triton_indexed")
+    calls, modules = {"SSE": sse_fn, "Qwen3": qwen_fn}, (sse, qwen)
     launches = collections.Counter()
     results = {}
     with gpu_path_on_cpu(launches):

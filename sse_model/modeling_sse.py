@@ -290,13 +290,13 @@ class SSEInputProjections(torch.autograd.Function):
             ups += [(rows(dq_shared), w_q_shared_up, None, shared_codes[0]),
                     (rows(dk_shared), w_k_shared_up, None, shared_codes[1])]
         up_grads = [weight_grads(*up) for up in ups]
-        # x's projections as one: dY = [dq dk dv dgate d_codes drouter] against W = [W_q; W_k; ...; W_router] gives
-        # x's gradient and every weight's in two GEMMs (the products summed inside the GEMM), where one GEMM per
-        # weight and one per product ran ~40 torch calls on the host (~0.4 ms of an SSE layer's backward; the host
-        # bounds the 8k step with checkpointing, kernels/NOTES.md) at the cost of copying dY and W once.
-        # The router's few columns stay out: with them the concatenated width was 8388, not a multiple of 8, and the
-        # 8k and 32k steps took 11 % longer on an H200 (cuBLAS's fast kernels want 16-byte aligned rows; the ranks
-        # of the low-rank terms are multiples of 8 in every config here).
+        # x's projections as one: dY = [dq dk dv dgate d_codes] against W = [W_q; W_k; W_v; W_gate; downs] gives
+        # x's gradient (the router's product added in the same GEMM) and those weights' in two GEMMs, where one GEMM
+        # per weight and one per product ran ~40 torch calls on the host (~0.4 ms of an SSE layer's backward; the
+        # host bounds the 8k step with checkpointing, kernels/NOTES.md) at the cost of copying dY and W once.
+        # The router's few columns stay out of dY: with them the width was 8388, not a multiple of 8, and the 8k and
+        # 32k steps took 11 % longer on an H200 (cuBLAS's fast kernels want 16-byte aligned rows; the ranks of the
+        # low-rank terms are multiples of 8 in every config here).
         weights = [w_q, w_k, w_v, w_gate, w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else [])
         widths = [w.shape[0] for w in weights]
         dy = torch.cat([rows(dq), rows(dk), rows(dv), rows(dgate)] + [d_up @ w.to(dtype) for d_up, w, _, _ in ups],
