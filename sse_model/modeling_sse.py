@@ -20,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 import kernels
+from kernels import kept_weights
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 
@@ -245,17 +246,32 @@ class SSEInputProjections(torch.autograd.Function):
     those of the same modules up to the order of the sums (float64 gradcheck and the modules' autograd in
     tests/test_model.py). Under autocast the forward's ops cast as
     nn.Linear's would, and the backward runs in the outputs' dtype with the gradients cast back to each input's.
-    Keeps x, the weights and the codes for the backward (the modules kept x and the codes too)."""
+    Saves x and the codes for the backward (the modules kept them too) and keeps the weights (`kernels.kept_weights`:
+    no saved-tensor hooks for them under checkpointing)."""
 
     @staticmethod
     def forward(ctx, x, heads, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
                 b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up):
-        B, T, _ = x.shape
+        B, T, D = x.shape
         lora = w_q_shared_down is not None
-        q, k, v, gate = (F.linear(x, w, b).view(B, T, heads, -1)
-                         for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v), (w_gate, b_gate)))
         downs = [w_decay_down] + ([w_q_shared_down, w_k_shared_down] if lora else [])
-        codes, sizes = F.linear(x, torch.cat(downs)), [w.shape[0] for w in downs]
+        sizes = [w.shape[0] for w in downs]
+        # x's projections as one GEMM, y = x [W_q; W_k; W_v; W_gate; downs]^T: q, k, v, the gate and the codes are
+        # column blocks of y (rows of y.shape[-1] values, which every kernel reading them takes as their token
+        # stride), where a GEMM each cost the host ~25 torch calls a forward, twice with checkpointing
+        # (kernels/NOTES.md). The weights' concatenation is a copy per call (34 MB at width 2048, ~20 us of GPU).
+        weight = torch.cat([w_q, w_k, w_v, w_gate, *downs])
+        biases = (b_q, b_k, b_v, b_gate)
+        x2 = x.reshape(B * T, D)
+        if all(b is None for b in biases):
+            y = x2 @ weight.t()
+        else:
+            bias = torch.cat([torch.zeros(w.shape[0], dtype=weight.dtype, device=x.device) if b is None else b
+                              for w, b in zip((w_q, w_k, w_v, w_gate), biases)] + [weight.new_zeros(sum(sizes))])
+            y = torch.addmm(bias, x2, weight.t())
+        q, k, v, gate, codes = y.view(B, T, -1).split([w_q.shape[0], w_k.shape[0], w_v.shape[0], w_gate.shape[0],
+                                                       sum(sizes)], -1)
+        q, k, v, gate = (t.view(B, T, heads, -1) for t in (q, k, v, gate))
         decay = _low_rank_term(codes, sizes, 0, w_decay_up, b_decay_up, heads)
         q_shared = k_shared = None
         if lora:
@@ -263,14 +279,16 @@ class SSEInputProjections(torch.autograd.Function):
             k_shared = _shared_term(codes, sizes, 2, w_k_shared_up, k)
         router = float32_router(x, w_router)
         ctx.mark_non_differentiable(codes)
-        ctx.save_for_backward(x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down,
-                              w_decay_up, b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up)
+        ctx.save_for_backward(x, codes)
+        kept_weights.keep(ctx, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
+                          b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up)
         return q, k, v, gate, decay, q_shared, k_shared, router, codes
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dgate, ddecay, dq_shared, dk_shared, drouter, _):
-        (x, codes, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up, b_decay_up,
-         w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up) = ctx.saved_tensors
+        x, codes = ctx.saved_tensors
+        (w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up, b_decay_up, w_q_shared_down,
+         w_q_shared_up, w_k_shared_down, w_k_shared_up) = kept_weights.kept(ctx)
         lora = w_q_shared_down is not None
         dtype = codes.dtype  # the forward's compute dtype (autocast's, or the model's)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)

@@ -291,6 +291,23 @@ def test_input_projections_gradients_in_float64(lora):
                                                 if y is not None], args)
 
 
+def test_input_projections_refuse_weights_modified_in_place():
+    """The projections keep their weights by reference (`kernels.kept_weights`), not as saved tensors: a weight
+    changed in place between the forward and the backward (an optimizer step in between) is refused as autograd
+    refuses a modified saved tensor; changed before the forward, it is simply the weight."""
+    layer = SSEForCausalLM(tiny_config()).model.layers[0].linear_attn
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    inputs, gate = layer.project(x)
+    with torch.no_grad():
+        layer.k_proj.weight.mul_(1.5)
+    with pytest.raises(RuntimeError, match=r"weight 2 of .* modified by an in-place operation"):
+        (inputs["k_logits"].sum() + gate.sum()).backward()
+    layer.zero_grad()
+    inputs, gate = layer.project(x)  # the same modified weight, now before the forward
+    (inputs["k_logits"].sum() + gate.sum()).backward()
+    assert layer.k_proj.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
 def test_input_projections_match_the_modules(dtype, autocast):
     """One autograd node for all of the SSE layer's input projections gives what the layer's modules give under

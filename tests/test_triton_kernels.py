@@ -221,6 +221,57 @@ def test_chunk_small_cases(device, impl, B, T, N, K, shared, row_topk, cu_seqlen
     assert max(errors.values()) < CHUNK_TOL[device][dtype], errors
 
 
+@pytest.mark.parametrize("B, cu_seqlens, decay_logits", [(2, None, False), (1, [0, 1, 9, 9, 14], True)],
+                         ids=["batch-2", "varlen-decay-logits"])
+def test_indexed_chunk_reads_column_blocks(device, B, cu_seqlens, decay_logits):
+    """q, k_logits and v as column blocks of one wider tensor (as the SSE layer's one projection GEMM makes them,
+    tokens further apart than their values) are read in place and give what their contiguous copies give: the
+    same output and gradients, against the float64 reference (with the decay logits read by the kernels too)."""
+    from kernels.sse import log_decay_from_logits, sse_reference
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
+    T, N = 14, 3
+    ins = random_inputs(B, T, H, c, dv, N, True, B if cu is None else cu.numel() - 1, F32, device)
+    # one wide leaf [B, T, 2 H c + H dv + 5] whose blocks are q, k_logits and v (5 columns of padding after them)
+    wide = torch.cat([ins[n].detach().reshape(B, T, -1) for n in ("q", "k_logits", "v")]
+                     + [torch.randn(B, T, 5, device=device)], -1).requires_grad_()
+    q, k, v, _ = wide.split([H * c, H * c, H * dv, 5], -1)
+    blocks = dict(ins, q=q.view(B, T, H, c), k_logits=k.view(B, T, H, c), v=v.view(B, T, H, dv))
+    kw = dict(top_k=2, output_final_state=True, cu_seqlens=cu)
+    o, final = chunk_impl("triton_indexed", device)(**blocks, **kw, decay_normalizer=16.0 if decay_logits else None)
+    ref_in = {n: None if x is None else x.detach().double() for n, x in ins.items()}
+    ref_leaves = [ref_in[n].requires_grad_() for n in ("q", "k_logits", "v")]
+    if decay_logits:
+        ref_in["log_decay"] = log_decay_from_logits(ref_in["log_decay"], 16.0)
+    ref_o, ref_final = sse_reference(**ref_in, **kw)
+    do = torch.randn_like(o)
+    (d_wide,) = torch.autograd.grad((o * do).sum(), [wide])
+    ref_grads = torch.autograd.grad((ref_o * do.double()).sum(), ref_leaves)
+    got_grads = d_wide.split([H * c, H * c, H * dv, 5], -1)
+    errors = {"o": rel_err(o, ref_o), "final": rel_err(final, ref_final)}
+    errors |= {f"d_{n}": rel_err(g.reshape(r.shape), r) for n, g, r in zip(("q", "k", "v"), got_grads, ref_grads)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < CHUNK_TOL[device][F32], errors
+
+
+def test_token_rows_reads_in_place_or_copies():
+    """`token_rows`: tokens at one stride with each token's values contiguous are taken as they are (contiguous
+    tensors, column blocks, single tokens); any other layout is copied to contiguous."""
+    from kernels.triton.common import token_rows
+    wide = torch.randn(2, 5, 3 * 4 + 7)
+    block = wide[..., 4:16].view(2, 5, 3, 4)
+    cases = {"contiguous": (torch.randn(2, 5, 3, 4), True, 12), "column block": (block, True, 19),
+             "one token": (block[:1, 2:3], True, 12), "permuted": (torch.randn(5, 2, 3, 4).transpose(0, 1), False, 12),
+             "heads apart": (torch.randn(2, 5, 4, 3).transpose(2, 3), False, 12),
+             "broadcast tokens": (torch.randn(1, 1, 3, 4).expand(2, 5, 3, 4), False, 12)}
+    for name, (x, in_place, stride) in cases.items():
+        got, s = token_rows(x)
+        assert torch.equal(got, x) and (got.data_ptr() == x.data_ptr()) == in_place and s == stride, name
+        tokens = x.shape[0] * x.shape[1]
+        rows = got.as_strided((tokens, 12), (s, 1))  # what a kernel reads: token i's 12 values at i * s
+        assert torch.equal(rows, x.reshape(tokens, 12)), name
+
+
 def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
     """Decays of ~e^-12 per token overflow the factorised scores' e^-b within a chunk, so those chunks take the
     pairwise form; head 0 keeps mild decays, so one call runs both forms. The log-decay gradient of a strongly
@@ -863,7 +914,9 @@ def test_norm_vs_float64_twin(device, gated, rows, D, dtype, tol, programs, monk
     from kernels.triton.norm_gate import norm_gate_triton, rms_norm_triton
     if programs:
         monkeypatch.setattr(kernels_module, "BACKWARD_PROGRAMS", programs)
-    x, gate = (torch.randn(rows, 2, D, device=device) * 3 for _ in range(2))
+    x = torch.randn(rows, 2, D, device=device) * 3
+    # the gate as the SSE layer's projection GEMM leaves it: a column block, tokens 2 D + 3 values apart
+    gate = (torch.randn(rows, 2 * D + 3, device=device) * 3)[:, 1:2 * D + 1].view(rows, 2, D)
     weight, dy = torch.randn(D, device=device), torch.randn(rows, 2, D, device=device)
     inputs = (x, weight, gate) if gated else (x, weight)
     fns = (norm_gate_triton, norm_gate_torch) if gated else (rms_norm_triton, rms_norm_torch)

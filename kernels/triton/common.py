@@ -4,6 +4,7 @@ on router weights, top-K tie-breaking (lowest index wins, like a stable sort) an
 All of them take 2-D float32 register tiles [rows, columns] and reduce over the columns (axis 1).
 """
 import functools
+import math
 
 import torch
 import triton
@@ -27,6 +28,32 @@ def carve(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[to
     align = max(1, 16 // dtype.itemsize)
     sizes_and_pads = [m for n in sizes for m in (n, -n % align)]
     return list(torch.empty(sum(sizes_and_pads), dtype=dtype, device=device).split(sizes_and_pads)[::2])
+
+
+def token_rows(x: torch.Tensor, token_dims: int = 2) -> tuple[torch.Tensor, int]:
+    """(x, s): x [*tokens, *values] as the kernels read it, token i's values contiguous at element i * s of x's
+    data, the tokens being x's first `token_dims` dimensions flattened. Copied only where x is not so: column
+    blocks of a wider tensor (the SSE layer's q, k, v and gate are blocks of one GEMM's output) are read in place."""
+    size = math.prod(x.shape[token_dims:])
+    if x.is_contiguous():
+        return x, size
+    expect = 1
+    for n, s in reversed(list(zip(x.shape[token_dims:], x.stride()[token_dims:]))):
+        if n > 1 and s != expect:
+            return x.contiguous(), size
+        expect *= n
+    stride = outer = None
+    for n, s in reversed(list(zip(x.shape[:token_dims], x.stride()[:token_dims]))):
+        if n == 1:
+            continue
+        if stride is None:
+            stride = s
+        elif s != outer:
+            return x.contiguous(), size
+        outer = s * n
+    if stride is None:  # at most one token
+        return x, size
+    return (x, stride) if stride >= size else (x.contiguous(), size)
 
 
 @triton.jit

@@ -60,10 +60,12 @@ def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_p
 @triton.jit
 def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos_ptr, dq_rows, dk_rows, dv_rows,
                        dg_rows, dq_ptr, dk_ptr, dv_ptr, dg_ptr, de_ptr, dqs_ptr, dks_ptr, decay_normalizer, H, C, V, N,
-                       J: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+                       SQ, SK, J: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr,
+                       DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     """The row gradients summed back to each token's inputs. With DECAY_LOGITS the log-decay came from decay logits
-    x (log a = logsigmoid(x) / decay_normalizer, x at x_ptr), and dg is taken through that step."""
+    x (log a = logsigmoid(x) / decay_normalizer, x at x_ptr), and dg is taken through that step. The tokens of q
+    and k_logits are SQ and SK apart; every other token tensor is contiguous."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -72,8 +74,9 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos
     in_c, in_v = (h < H) & (c < C), (h < H) & (d < V)
     hc, hv = t * H * C + h * C + c, t * H * V + h * V + d
 
-    q = tl.load(q_ptr + hc, mask=in_c, other=0.0).to(tl.float32)
-    keys, keep = softmax_keys(tl.load(k_ptr + hc, mask=in_c, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+    q = tl.load(q_ptr + t * SQ + h * C + c, mask=in_c, other=0.0).to(tl.float32)
+    keys, keep = softmax_keys(tl.load(k_ptr + t * SK + h * C + c, mask=in_c, other=0.0).to(tl.float32), c < C,
+                              ROW_TOPK, BLOCK_C)
     w = router_softmax(tl.load(e_ptr + t * N + n, mask=n < N, other=0.0).to(tl.float32), n, N)
     dq = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     dkeys = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
@@ -188,7 +191,8 @@ class _Expand(torch.autograd.Function):
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
             _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
                                      k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg,
-                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, J, shared,
+                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C,
+                                     H * C, J, shared,
                                      ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys
+from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -64,11 +64,11 @@ def _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT: t
 
 
 @triton.jit
-def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
+def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, SQ, scale,
                 BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
     """(scale * q_row, k_row, b, b_last) [BT, BLOCK_C] in float32 for rows of partition `part` (N = shared), from
-    the token tensors of `_keys_kernel` (keys, decays masked to the kept key rows). Dead rows give zeros (and zero
-    decay, so b is flat past a group's last row)."""
+    the token tensors of `_keys_kernel` (keys, decays masked to the kept key rows) and q (tokens SQ apart). Dead
+    rows give zeros (and zero decay, so b is flat past a group's last row)."""
     c = tl.arange(0, BLOCK_C)[None, :]
     n = tl.arange(0, BLOCK_N)[None, :]
     m = live[:, None] & (c < C)
@@ -81,7 +81,7 @@ def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, 
         p = router_softmax(tl.load(e_ptr + tok[:, None] * N + n, mask=live[:, None] & (n < N), other=0.0)
                            .to(tl.float32), n, N)
         w = tl.sum(tl.where(n == part, p, 0.0), 1)[:, None]
-        q = tl.load(q_ptr + hc, mask=m, other=0.0).to(tl.float32) * (w * scale)
+        q = tl.load(q_ptr + tok[:, None] * SQ + h * C + c, mask=m, other=0.0).to(tl.float32) * (w * scale)
         k = tl.load(k_ptr + hc, mask=m, other=0.0).to(tl.float32) * w
         g = tl.load(g_ptr + hc, mask=m, other=0.0).to(tl.float32)
     b = tl.cumsum(g, 0)
@@ -110,19 +110,20 @@ def _scores(q, k, b, dtype, BT: tl.constexpr):
 
 
 @triton.jit
-def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr, decay_normalizer, H, C,
+def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr, decay_normalizer, H, C, SK,
                  SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_C: tl.constexpr):
     """Per token, all heads: keys = softmax_keys(k_logits) (and the shared partition's), and where the chunk
     kernels cannot read g as given, the log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer)
     and / or masked to the kept rows (row-sparse; the shared keys keep rows of their own, so their decay is
-    masked on its own). Computed once per call instead of in every chunk kernel."""
+    masked on its own). Computed once per call instead of in every chunk kernel. k_logits' tokens are SK apart."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
     m = (h < H) & (c < C)
     hc = t * H * C + h * C + c
-    keys, keep = softmax_keys(tl.load(k_ptr + hc, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
+    keys, keep = softmax_keys(tl.load(k_ptr + t * SK + h * C + c, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK,
+                              BLOCK_C)
     tl.store(keys_ptr + hc, keys.to(keys_ptr.dtype.element_ty), mask=m)
     if DECAY_LOGITS or ROW_TOPK > 0:
         g = tl.load(g_ptr + hc, mask=m, other=0.0).to(tl.float32)
@@ -141,19 +142,21 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
 # compiled a new variant for ~1 s in the middle of a rollout (bench/results/vllm_rollouts_small_compiles_20261127.md).
 @triton.jit(do_not_specialize=["G", "NC"])
 def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
-                       qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, scale, QUERY: tl.constexpr,
+                       qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, SQ, SX, scale,
+                       QUERY: tl.constexpr,
                        BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     """What one chunk adds to the state, before `_scan_kernel` chains the chunks: (k e^(b_last - b))^T v going
-    forward (x = v), or (q e^b)^T do going backward (QUERY, x = do); and the chunk's decay b_last."""
+    forward (x = v), or (q e^b)^T do going backward (QUERY, x = do); and the chunk's decay b_last. Tokens of q
+    and x are SQ and SX apart."""
     cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
     if tl.max(live.to(tl.int32)) == 0:
         return
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-    x = tl.load(x_ptr + tok[:, None] * H * V + h * V + d, mask=live[:, None] & (d < V), other=0.0)
+    x = tl.load(x_ptr + tok[:, None] * SX + h * V + d, mask=live[:, None] & (d < V), other=0.0)
     if QUERY:
         side = q * tl.exp(b)
     else:
@@ -218,18 +221,18 @@ def _scan_kernel(x_ptr, out_ptr, decay_ptr, chunk_first_ptr, init_ptr, last_ptr,
 
 @triton.jit(do_not_specialize=["G", "NC"])
 def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
-                   qs_ptr, ks_ptr, gs_ptr, h_ptr, o_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
+                   qs_ptr, ks_ptr, gs_ptr, h_ptr, o_ptr, G, NC, H, C, V, N, P, SQ, SV, scale, BT: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
     if tl.max(live.to(tl.int32)) == 0:
         return
-    q, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, scale,
-                                BT, BLOCK_C, BLOCK_N)
+    q, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, SQ,
+                                scale, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)[:, None]
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     dt = v_ptr.dtype.element_ty
-    v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=live[:, None] & (d < V), other=0.0)
+    v = tl.load(v_ptr + tok[:, None] * SV + h * V + d, mask=live[:, None] & (d < V), other=0.0)
     state = tl.load(h_ptr + (h * NC + cid) * C * V + c * V + d, mask=(c < C) & (d < V), other=0.0)
     o = tl.dot(_scores(q, k, b, dt, BT).to(dt), v) + tl.dot((q * tl.exp(b)).to(dt), state.to(dt))
     tl.store(o_ptr + r[:, None] * H * V + h * V + d, o.to(o_ptr.dtype.element_ty), mask=live[:, None] & (d < V))
@@ -237,7 +240,7 @@ def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_pt
 
 @triton.jit(do_not_specialize=["G", "NC"])
 def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr,
-               gs_ptr, do_ptr, dh_ptr, dv_ptr, G, NC, H, C, V, N, P, scale, BT: tl.constexpr,
+               gs_ptr, do_ptr, dh_ptr, dv_ptr, G, NC, H, C, V, N, P, SQ, scale, BT: tl.constexpr,
                BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     """dv = A^T do + (k e^(b_last - b)) dh_after."""
     cid, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -245,7 +248,7 @@ def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k
     if tl.max(live.to(tl.int32)) == 0:
         return
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)[:, None]
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     dt = do_ptr.dtype.element_ty
@@ -259,7 +262,7 @@ def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k
 @triton.jit(do_not_specialize=["G", "NC"])
 def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, v_ptr, g_ptr, e_ptr,
                      qs_ptr, ks_ptr, gs_ptr, do_ptr, h_ptr, final_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, G, NC, H, C, V,
-                     N, P, scale, BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                     N, P, SQ, SV, scale, BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """With dA = tril(do v^T), both from one pass over the value blocks:
     dq_row = scale * (dA (k e^-b) + do h^T) e^b,  dk_row = (dA^T (q e^b)) e^-b + (v dh_after^T) e^(b_last - b),
@@ -282,7 +285,7 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
         d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         m = live[:, None] & (d < V)
         do = tl.load(do_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
-        v = tl.load(v_ptr + tok[:, None] * H * V + h * V + d, mask=m, other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * SV + h * V + d, mask=m, other=0.0)
         in_cv = (c[:, None] < C) & (d < V)
         at = (h * NC + cid) * C * V + c[:, None] * V + d
         state = tl.load(h_ptr + at, mask=in_cv, other=0.0)
@@ -295,7 +298,7 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
         dgh += tl.sum(after * dh.to(tl.float32), 1)
     # The rows' inputs only now: the loop above keeps fewer registers live without them.
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
     dk *= tl.exp(b_last[None, :] - b)
     t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
     dA = tl.where(t >= s, dA, 0.0)
@@ -319,10 +322,12 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
     tl.store(dg_ptr + hc, dg, mask=m)
 
 
-def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk, decay_normalizer):
+def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk, decay_normalizer,
+                 strides):
     """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
     shared keys, shared g), one `_keys_kernel` launch; log_decay holds decay logits when `decay_normalizer` is
-    given. Without a shared partition the shared slots repeat the routed ones (never read)."""
+    given. Without a shared partition the shared slots repeat the routed ones (never read). `strides`: the token
+    strides of q, k_logits and v (`token_rows`); all else is contiguous."""
     H, C = k_logits.shape[-2:]
     L = k_logits.numel() // (H * C)
     shared, made_g = q_shared is not None, decay_normalizer is not None or bool(row_topk)
@@ -337,7 +342,8 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     g_s = next(buffers) if shared and row_topk else g
     if L:
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
-                           decay_normalizer or 1.0, H, C, shared, row_topk or 0, decay_normalizer is not None,
+                           decay_normalizer or 1.0, H, C, strides[1], shared, row_topk or 0,
+                           decay_normalizer is not None,
                            pow2(H), pow2(C), num_warps=_warps(H, C))
     return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
 
@@ -375,27 +381,30 @@ class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
                 scale, row_topk, chunk_size, decay_normalizer, final_returned):
-        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1]: contiguous, nothing is reshaped (each
-        # reshape or view costs the host 2-5 us, and the SSE layer's host time bounds short training steps)
+        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view costs
+        # the host 2-5 us, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
+        # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
+        # by ops of their own, are contiguous.
         B, T, H, C = q.shape
         L = B * T
-        q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits = (
-            None if t is None else t.contiguous()
-            for t in (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits))
+        (q, sq), (k_logits, sk), (v, sv) = (token_rows(t) for t in (q, k_logits, v))
+        strides = (sq, sk, sv)
+        log_decay, router_logits, q_shared, k_shared_logits = (
+            None if t is None else t.contiguous() for t in (log_decay, router_logits, q_shared, k_shared_logits))
         row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
         V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
         sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                               decay_normalizer)
+                               decay_normalizer, strides)
         # The final state is read again only by the backward, for the last chunk's state term, where the other
         # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
-        h, final = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False,
-                            exact_last=final_returned)
+        h, final = _chained(sources, v, sv, initial_state, tables, scale, chunk_size, query=False,
+                            exact_last=final_returned, sq=sq)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         launch = _launch("output", C, V, N, chunk_size)
         _output_kernel[_chunk_grid(tables, H, V, launch)](
             row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
-            P, scale, **launch)
+            P, sq, sv, scale, **launch)
         made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
         keep = h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
         kept = (h, keys, g, keys_s, gs) if keep else (None,) * 5
@@ -405,14 +414,15 @@ class _IndexedChunk(torch.autograd.Function):
             _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *kept, *tables[:6])
-        ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer)
+        ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer, strides)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h, keys, g,
          keys_s, gs, *index) = ctx.saved_tensors
-        S, P, scale, row_topk, chunk_size, decay_normalizer = ctx.rest
+        S, P, scale, row_topk, chunk_size, decay_normalizer, strides = ctx.rest
+        sq, _, sv = strides
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
         H, C = q.shape[-2:]
@@ -420,12 +430,13 @@ class _IndexedChunk(torch.autograd.Function):
         do = do.contiguous()
         if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
             sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                                   decay_normalizer)
-            h, _ = _chained(sources, v, initial_state, tables, scale, chunk_size, query=False, exact_last=False)
+                                   decay_normalizer, strides)
+            h, _ = _chained(sources, v, sv, initial_state, tables, scale, chunk_size, query=False, exact_last=False,
+                            sq=sq)
         else:
             sources = _sources(q, keys, g, router_logits, q_shared, keys_s, gs)
-        dh, dh0 = _chained(sources, do, dfinal, tables, scale, chunk_size, query=True,
-                           exact_last=initial_state is not None)
+        dh, dh0 = _chained(sources, do, H * V, dfinal, tables, scale, chunk_size, query=True,
+                           exact_last=initial_state is not None, sq=sq)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
         dg_rows = torch.empty(R, H, C, dtype=torch.float32, device=q.device)
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
@@ -433,25 +444,25 @@ class _IndexedChunk(torch.autograd.Function):
         index = (row_token, cu, chunk_first, chunk_group)
         launch = _launch("dv", C, V, N, chunk_size)
         _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
-                                                      H, C, V, N, P, scale, **launch)
+                                                      H, C, V, N, P, sq, scale, **launch)
         _dq_dk_dg_kernel[_chunk_grid(tables, H, V, launch)[:2]](
             *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
-            P, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
+            P, sq, sv, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
-                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer)
+                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
         return (*grads, dh0, None, None, None, None, None, None)
 
 
-def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
+def _chained(sources, x, sx, init, tables, scale, chunk_size, query, exact_last, sq):
     """Going forward (x = v, init = h0): the state before every chunk [H, NC, C, V] and the final states
     [S, H, P, C, V]. Going backward (query, x = do, init = d final): the gradient of the state after every chunk
     and d h0. The chain runs in float32; the per-chunk states are stored in x's dtype, as fla stores its chunk
     states: the kernels that read them cast them to it for their dots anyway, and bf16 halves their largest read.
     The final state / d h0 are float32; with `exact_last` (they are used) the chunks' updates are kept in float32
     too, otherwise they are rounded to x's dtype like the states made from them, which halves the traffic between
-    `_chunk_sums_kernel` and `_scan_kernel` (their largest)."""
+    `_chunk_sums_kernel` and `_scan_kernel` (their largest). The tokens of x and q are sx and sq apart."""
     q, keys, g, e, qs, keys_s, gs = sources
     row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
     H, C = q.shape[-2:]
@@ -460,8 +471,8 @@ def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
     launch = _launch("chunk_sums", C, V, N, chunk_size)
     _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
-                                                          qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, scale,
-                                                          query, **launch)
+                                                          qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, sq, sx,
+                                                          scale, query, **launch)
     states = sums if sums.dtype == x.dtype else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
     launch = _launch("scan", C, V, N, chunk_size)
@@ -474,21 +485,22 @@ def _chained(sources, x, init, tables, scale, chunk_size, query, exact_last):
 
 
 def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, row_grads,
-                 row_topk, decay_normalizer):
+                 row_topk, decay_normalizer, strides):
     """The row gradients summed back to the token inputs, through the softmaxes (and the decay logits' logsigmoid)
     (expand.py's backward)."""
     H, C = q.shape[-2:]
     (L, J), V, N = part.shape, v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
-    dq, dk, de = torch.empty_like(q), torch.empty_like(k_logits), torch.empty_like(router_logits)
-    dv, dg = torch.empty_like(v), torch.empty_like(log_decay)
+    # contiguous gradients, whatever the inputs' token strides
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k_logits, v))
+    dg, de = torch.empty_like(log_decay), torch.empty_like(router_logits)
     dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
     if L:
         _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
                                  k_shared_logits if shared else k_logits, log_decay, part, pos, *row_grads, dq, dk,
                                  dv, dg, de, dqs if shared else dq, dks if shared else dk, decay_normalizer or 1.0, H,
-                                 C, V, N, J, shared, row_topk or 0, decay_normalizer is not None,
-                                 **_blocks(H, C, V, N), num_warps=_warps(H, C))
+                                 C, V, N, strides[0], strides[1], J, shared, row_topk or 0,
+                                 decay_normalizer is not None, **_blocks(H, C, V, N), num_warps=_warps(H, C))
     return dq, dk, dv, dg, de, dqs, dks
 
 
