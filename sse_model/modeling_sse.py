@@ -237,6 +237,7 @@ class SSEInputProjections(torch.autograd.Function):
         decay logits = codes_decay W_decay_up^T + b_decay_up
         q_shared = q + codes_q W_q_shared_up^T,  k_shared = k + codes_k W_k_shared_up^T   (with the LoRA)
         router logits = x W_router^T in float32 (`float32_router`)
+        v = 0 at pad tokens (`pad` [B, T, 1, 1] bool, or None)
 
     Returned as [B, T, H, -1] heads (router [B, T, N], codes [B, T, sum of ranks], which the layer's recipes make
     the low-rank terms again from; not differentiable). Why one node: as separate modules these were ~40 autograd
@@ -250,7 +251,7 @@ class SSEInputProjections(torch.autograd.Function):
     no saved-tensor hooks for them under checkpointing)."""
 
     @staticmethod
-    def forward(ctx, x, heads, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
+    def forward(ctx, x, heads, pad, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
                 b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up):
         B, T, D = x.shape
         lora = w_q_shared_down is not None
@@ -272,6 +273,8 @@ class SSEInputProjections(torch.autograd.Function):
         q, k, v, gate, codes = y.view(B, T, -1).split([w_q.shape[0], w_k.shape[0], w_v.shape[0], w_gate.shape[0],
                                                        sum(sizes)], -1)
         q, k, v, gate = (t.view(B, T, heads, -1) for t in (q, k, v, gate))
+        if pad is not None:  # in y: a zeroed copy of v would leave y's v block kept by the other blocks' saves
+            v.masked_fill_(pad, 0.0)
         decay = _low_rank_term(codes, sizes, 0, w_decay_up, b_decay_up, heads)
         q_shared = k_shared = None
         if lora:
@@ -279,14 +282,14 @@ class SSEInputProjections(torch.autograd.Function):
             k_shared = _shared_term(codes, sizes, 2, w_k_shared_up, k)
         router = float32_router(x, w_router)
         ctx.mark_non_differentiable(codes)
-        ctx.save_for_backward(x, codes)
+        ctx.save_for_backward(x, codes, pad)
         kept_weights.keep(ctx, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
                           b_decay_up, w_q_shared_down, w_q_shared_up, w_k_shared_down, w_k_shared_up)
         return q, k, v, gate, decay, q_shared, k_shared, router, codes
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dgate, ddecay, dq_shared, dk_shared, drouter, _):
-        x, codes = ctx.saved_tensors
+        x, codes, pad = ctx.saved_tensors
         (w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up, b_decay_up, w_q_shared_down,
          w_q_shared_up, w_k_shared_down, w_k_shared_up) = kept_weights.kept(ctx)
         lora = w_q_shared_down is not None
@@ -302,6 +305,8 @@ class SSEInputProjections(torch.autograd.Function):
             return (dy.t() @ inputs).to(w.dtype), None if b is None else dy.sum(0).to(b.dtype)
         if lora:  # q_shared = q + ..., so q's gradient gets q_shared's (and k's k_shared's)
             dq, dk = dq + dq_shared, dk + dk_shared
+        if pad is not None:  # pad tokens' v is 0 whatever x
+            dv = dv.masked_fill(pad, 0.0)
         # The low-rank up projections, then every projection of x.
         ups = [(rows(ddecay), w_decay_up, b_decay_up, decay_code)]
         if lora:
@@ -329,8 +334,8 @@ class SSEInputProjections(torch.autograd.Function):
             db_q, db_k, db_v, db_gate = (None if b is None else db.to(b.dtype)
                                          for db, b in zip(dy[:, :sum(widths[:4])].sum(0).split(widths[:4]), biases))
         shared_grads = (dw_downs[1], up_grads[1][0], dw_downs[2], up_grads[2][0]) if lora else (None,) * 4
-        return (dx.view(x.shape).to(x.dtype), None, dw_q, db_q, dw_k, db_k, dw_v, db_v, dw_gate, db_gate, dw_router,
-                dw_downs[0], *up_grads[0], *shared_grads)
+        return (dx.view(x.shape).to(x.dtype), None, None, dw_q, db_q, dw_k, db_k, dw_v, db_v, dw_gate, db_gate,
+                dw_router, dw_downs[0], *up_grads[0], *shared_grads)
 
 
 class SSELayer(nn.Module):
@@ -380,20 +385,21 @@ class SSELayer(nn.Module):
         # Wrapped projections (PEFT adapters, quantised layers) must run their own forward, so they go through the
         # modules, and nothing is made again in the backward (the recipes repeat the plain layers' ops).
         plain = all(type(m) is nn.Linear for m in modules)
+        pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
         if plain:
             shared_weights = ((self.q_shared_down.weight, self.q_shared_up.weight, self.k_shared_down.weight,
                                self.k_shared_up.weight) if lora else (None,) * 4)
             q, k, v, gate, decay, q_shared, k_shared, router_logits, codes = SSEInputProjections.apply(
-                x, self.num_heads, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+                x, self.num_heads, pad, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
                 self.v_proj.weight, self.v_proj.bias, self.g_proj.weight, self.g_proj.bias, self.router.weight,
                 self.decay_down.weight, self.decay_up.weight, self.decay_up.bias, *shared_weights)
         else:
             q, k, v, gate, decay, q_shared, k_shared, router_logits = self.projections_by_modules(x)
-        pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
+            v = v if pad is None else v.masked_fill(pad, 0.0)
 
         def padded_decay(logits):
             return logits if pad is None else logits.masked_fill(pad, float("inf"))
-        inputs = dict(q=q, k_logits=k, v=v if pad is None else v.masked_fill(pad, 0.0), log_decay=padded_decay(decay),
+        inputs = dict(q=q, k_logits=k, v=v, log_decay=padded_decay(decay),
                       router_logits=router_logits)
         if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
             inputs["q_shared"] = q if q_shared is None else q_shared

@@ -275,17 +275,19 @@ def test_router_logits_on_cuda_are_one_gemm_with_float32_output(monkeypatch):
         assert rel_err(logits, want) < 1e-6
 
 
-@pytest.mark.parametrize("lora", [3, 0])
-def test_input_projections_gradients_in_float64(lora):
+@pytest.mark.parametrize("lora, padded", [(3, False), (0, False), (3, True)])
+def test_input_projections_gradients_in_float64(lora, padded):
     """SSEInputProjections' hand-written backward is the derivative of its forward (gradcheck over x and every
-    weight and bias, with and without the shared partition's low-rank terms)."""
+    weight and bias, with and without the shared partition's low-rank terms, and with pad tokens, whose v it
+    zeroes)."""
     torch.manual_seed(0)
     D, H, c, dv, N, r = 6, 2, 3, 2, 3, 2
 
     def t(*shape):
         return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     shared = (t(lora, D), t(H * c, lora), t(lora, D), t(H * c, lora)) if lora else (None,) * 4
-    args = (t(2, 3, D), H, t(H * c, D), t(H * c), t(H * c, D), t(H * c), t(H * dv, D), t(H * dv), t(H * dv, D),
+    pad = torch.tensor([[True, False, False], [False, False, True]])[..., None, None] if padded else None
+    args = (t(2, 3, D), H, pad, t(H * c, D), t(H * c), t(H * c, D), t(H * c), t(H * dv, D), t(H * dv), t(H * dv, D),
             t(H * dv), t(N, D), t(r, D), t(H * c, r), t(H * c), *shared)
     assert torch.autograd.gradcheck(lambda *a: [y for y in modeling_sse.SSEInputProjections.apply(*a)[:8]
                                                 if y is not None], args)

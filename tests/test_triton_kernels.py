@@ -996,9 +996,11 @@ def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_triton_config")
-def test_model_step_auto_takes_triton_and_matches_torch(monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_model_step_auto_takes_triton_and_matches_torch(monkeypatch, padded):
     """A small SSE-H training step (loss + backward, float32 model): "auto" dispatches to the indexed Triton path on
-    GPU and gives the torch path's loss and parameter gradients."""
+    GPU and gives the torch path's loss and parameter gradients, also with a left-padded row (whose pad tokens'
+    v the projections zero inside their GEMM's output, which the kernels read in place)."""
     from kernels import dispatch
     from sse_model import SSEConfig, SSEForCausalLM
     config = SSEConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -1007,6 +1009,9 @@ def test_model_step_auto_takes_triton_and_matches_torch(monkeypatch):
     torch.manual_seed(0)
     model = SSEForCausalLM(config).to("cuda")
     ids = torch.randint(0, config.vocab_size, (2, 200), device="cuda")
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :37] = 0
     used = []
 
     def counted(name, impl):
@@ -1021,7 +1026,7 @@ def test_model_step_auto_takes_triton_and_matches_torch(monkeypatch):
     def train_step(sse_impl):
         model.config.sse_impl = sse_impl
         model.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

@@ -191,9 +191,8 @@ class _Expand(torch.autograd.Function):
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
             _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
                                      k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg,
-                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C,
-                                     H * C, J, shared,
-                                     ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
+                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C, H * C,
+                                     J, shared, ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
 
 

@@ -143,8 +143,8 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
 @triton.jit(do_not_specialize=["G", "NC"])
 def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
                        qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, SQ, SX, scale,
-                       QUERY: tl.constexpr,
-                       BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+                       QUERY: tl.constexpr, BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """What one chunk adds to the state, before `_scan_kernel` chains the chunks: (k e^(b_last - b))^T v going
     forward (x = v), or (q e^b)^T do going backward (QUERY, x = do); and the chunk's decay b_last. Tokens of q
     and x are SQ and SX apart."""
@@ -343,8 +343,7 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     if L:
         _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, strides[1], shared, row_topk or 0,
-                           decay_normalizer is not None,
-                           pow2(H), pow2(C), num_warps=_warps(H, C))
+                           decay_normalizer is not None, pow2(H), pow2(C), num_warps=_warps(H, C))
     return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
 
 
@@ -397,8 +396,8 @@ class _IndexedChunk(torch.autograd.Function):
                                decay_normalizer, strides)
         # The final state is read again only by the backward, for the last chunk's state term, where the other
         # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
-        h, final = _chained(sources, v, sv, initial_state, tables, scale, chunk_size, query=False,
-                            exact_last=final_returned, sq=sq)
+        h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
+                            exact_last=final_returned)
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         launch = _launch("output", C, V, N, chunk_size)
@@ -431,12 +430,12 @@ class _IndexedChunk(torch.autograd.Function):
         if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
             sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                    decay_normalizer, strides)
-            h, _ = _chained(sources, v, sv, initial_state, tables, scale, chunk_size, query=False, exact_last=False,
-                            sq=sq)
+            h, _ = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
+                            exact_last=False)
         else:
             sources = _sources(q, keys, g, router_logits, q_shared, keys_s, gs)
-        dh, dh0 = _chained(sources, do, H * V, dfinal, tables, scale, chunk_size, query=True,
-                           exact_last=initial_state is not None, sq=sq)
+        dh, dh0 = _chained(sources, sq, do, H * V, dfinal, tables, scale, chunk_size, query=True,
+                           exact_last=initial_state is not None)
         dq_rows, dk_rows = (torch.empty(R, H, C, dtype=q.dtype, device=q.device) for _ in range(2))
         dg_rows = torch.empty(R, H, C, dtype=torch.float32, device=q.device)
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
@@ -455,14 +454,15 @@ class _IndexedChunk(torch.autograd.Function):
         return (*grads, dh0, None, None, None, None, None, None)
 
 
-def _chained(sources, x, sx, init, tables, scale, chunk_size, query, exact_last, sq):
+def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_last):
     """Going forward (x = v, init = h0): the state before every chunk [H, NC, C, V] and the final states
     [S, H, P, C, V]. Going backward (query, x = do, init = d final): the gradient of the state after every chunk
     and d h0. The chain runs in float32; the per-chunk states are stored in x's dtype, as fla stores its chunk
     states: the kernels that read them cast them to it for their dots anyway, and bf16 halves their largest read.
     The final state / d h0 are float32; with `exact_last` (they are used) the chunks' updates are kept in float32
     too, otherwise they are rounded to x's dtype like the states made from them, which halves the traffic between
-    `_chunk_sums_kernel` and `_scan_kernel` (their largest). The tokens of x and q are sx and sq apart."""
+    `_chunk_sums_kernel` and `_scan_kernel` (their largest). The tokens of q (in `sources`) and x are sq and sx
+    apart."""
     q, keys, g, e, qs, keys_s, gs = sources
     row_token, cu, chunk_first, chunk_group, _, _, S, P = tables
     H, C = q.shape[-2:]
