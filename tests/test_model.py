@@ -126,8 +126,10 @@ def test_sse_layer_uses_the_dispatched_operator():
 
 
 def left_padded(seqs):
+    """Left-padded ids and mask; the pads are random tokens (not a zero-embedded pad id, whose hidden states stay
+    zero through the layers and would hide a pad that leaked into a state)."""
     T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    ids = torch.randint(1, 97, (len(seqs), T))
     mask = torch.zeros(len(seqs), T, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, T - len(s):], mask[i, T - len(s):] = s, 1
