@@ -267,7 +267,7 @@ class SSEInputProjections(torch.autograd.Function):
         if all(b is None for b in biases):
             y = x2 @ weight.t()
         else:
-            bias = torch.cat([torch.zeros(w.shape[0], dtype=weight.dtype, device=x.device) if b is None else b
+            bias = torch.cat([weight.new_zeros(w.shape[0]) if b is None else b
                               for w, b in zip((w_q, w_k, w_v, w_gate), biases)] + [weight.new_zeros(sum(sizes))])
             y = torch.addmm(bias, x2, weight.t())
         q, k, v, gate, codes = y.view(B, T, -1).split([w_q.shape[0], w_k.shape[0], w_v.shape[0], w_gate.shape[0],

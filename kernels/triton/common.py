@@ -30,17 +30,17 @@ def carve(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[to
     return list(torch.empty(sum(sizes_and_pads), dtype=dtype, device=device).split(sizes_and_pads)[::2])
 
 
-def token_rows(x: torch.Tensor, token_dims: int = 2) -> tuple[torch.Tensor, int]:
-    """(x, s): x [*tokens, *values] as the kernels read it, token i's values contiguous at element i * s of x's
-    data, the tokens being x's first `token_dims` dimensions flattened. Copied only where x is not so: column
-    blocks of a wider tensor (the SSE layer's q, k, v and gate are blocks of one GEMM's output) are read in place."""
+def token_stride(x: torch.Tensor, token_dims: int = 2) -> int | None:
+    """The stride s (in elements) at which x [*tokens, *values] holds its tokens, the tokens being x's first
+    `token_dims` dimensions flattened, when each token's values are contiguous and the tokens do not overlap
+    (token i's values at element i * s of x's data); None when x is not laid out so."""
     size = math.prod(x.shape[token_dims:])
     if x.is_contiguous():
-        return x, size
+        return size
     expect = 1
     for n, s in reversed(list(zip(x.shape[token_dims:], x.stride()[token_dims:]))):
         if n > 1 and s != expect:
-            return x.contiguous(), size
+            return None
         expect *= n
     stride = outer = None
     for n, s in reversed(list(zip(x.shape[:token_dims], x.stride()[:token_dims]))):
@@ -49,11 +49,19 @@ def token_rows(x: torch.Tensor, token_dims: int = 2) -> tuple[torch.Tensor, int]
         if stride is None:
             stride = s
         elif s != outer:
-            return x.contiguous(), size
+            return None
         outer = s * n
     if stride is None:  # at most one token
-        return x, size
-    return (x, stride) if stride >= size else (x.contiguous(), size)
+        return size
+    return stride if stride >= size else None
+
+
+def token_rows(x: torch.Tensor, token_dims: int = 2) -> tuple[torch.Tensor, int]:
+    """(x, its `token_stride`) as the kernels read it, copied to contiguous only where x has no token stride:
+    column blocks of a wider tensor (the SSE layer's q, k, v and gate are blocks of one GEMM's output) are read in
+    place."""
+    stride = token_stride(x, token_dims)
+    return (x, stride) if stride is not None else (x.contiguous(), math.prod(x.shape[token_dims:]))
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.sse import decode as twin
-from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, top1
+from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, token_rows, token_stride, top1
 
 FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
 ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
@@ -189,21 +189,6 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
 
-def _tokens_contiguous(x: torch.Tensor) -> bool:
-    """Whether each token's values x[b] are contiguous (tokens themselves may be at any stride)."""
-    expect = 1
-    for size, stride in reversed(list(zip(x.shape[1:], x.stride()[1:]))):
-        if size > 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, ...] as the kernel reads it: copied only when a token's values are not contiguous."""
-    return x if _tokens_contiguous(x) else x.contiguous()
-
-
 def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the decode kernel for a state cache of `dtype` with c = C, d_v = V."""
     # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
@@ -255,15 +240,15 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     scale = C**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty(B, H, V, dtype=v.dtype, device=v.device)
-    elif out.shape != (B, H, V) or not _tokens_contiguous(out):
+    elif out.shape != (B, H, V) or token_stride(out, 1) is None:
         raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
                          f"{tuple(out.shape)}, strides {out.stride()}")
     block_c = pow2(C)
     default_block_v, default_warps = default_launch(C, V, state.dtype)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     ptx = state.is_cuda and torch.version.cuda is not None  # NVIDIA's GPUs (not the interpreter's CPU, not ROCm)
-    args = [_rows(x) for x in (q, k_logits, v, log_decay, router_logits)]
-    shared_args = [_rows(x) for x in (q_shared, k_shared_logits)] if shared else args[:2]
+    args = [token_rows(x, 1)[0] for x in (q, k_logits, v, log_decay, router_logits)]
+    shared_args = [token_rows(x, 1)[0] for x in (q_shared, k_shared_logits)] if shared else args[:2]
     if B:
         vec = torch.empty(B, H, VECTOR_ROWS, C, dtype=torch.float32, device=v.device)
         part = torch.empty(B, 2 * top_k, dtype=torch.int32, device=v.device)
