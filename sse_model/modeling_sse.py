@@ -240,15 +240,16 @@ class SSEInputProjections(torch.autograd.Function):
         v = 0 at pad tokens (`pad` [B, T, 1, 1] bool, or None)
 
     Returned as [B, T, H, -1] heads (router [B, T, N], codes [B, T, sum of ranks], which the layer's recipes make
-    the low-rank terms again from; not differentiable). Why one node: as separate modules these were ~40 autograd
-    nodes per layer and x's gradient came as 6 products summed by 5 bf16 adds; the SSE layer's host time bound
-    the 8k training step (kernels/NOTES.md). Here the backward takes x's gradient and the weights' from one GEMM
-    each over the projections' concatenated gradients and runs no autograd bookkeeping in between. Gradients are
-    those of the same modules up to the order of the sums (float64 gradcheck and the modules' autograd in
-    tests/test_model.py). Under autocast the forward's ops cast as
+    the low-rank terms again from; not differentiable); q, k, v, the gate and the codes are column blocks of one
+    tensor, so not contiguous: their readers take them as token rows (`kernels.triton.common.token_rows`). Why one
+    node: as separate modules these were ~40 autograd nodes per layer and x's gradient came as 6 products summed by
+    5 bf16 adds; the SSE layer's host time bound the 8k training step (kernels/NOTES.md). Here the backward takes
+    x's gradient and the weights' from one GEMM each over the projections' concatenated gradients and runs no
+    autograd bookkeeping in between. Gradients are those of the same modules up to the order of the sums (float64
+    gradcheck and the modules' autograd in tests/test_model.py). Under autocast the forward's ops cast as
     nn.Linear's would, and the backward runs in the outputs' dtype with the gradients cast back to each input's.
-    Saves x and the codes for the backward (the modules kept them too) and keeps the weights (`kernels.kept_weights`:
-    no saved-tensor hooks for them under checkpointing)."""
+    Saves x and the codes for the backward (the modules kept them too) and keeps the weights
+    (`kernels.kept_weights`: no saved-tensor hooks for them under checkpointing)."""
 
     @staticmethod
     def forward(ctx, x, heads, pad, w_q, b_q, w_k, b_k, w_v, b_v, w_gate, b_gate, w_router, w_decay_down, w_decay_up,
