@@ -1,5 +1,5 @@
 """Shared test helpers: random SSE inputs, relative error that never lets NaN pass, the shared data folder, and
-the separate TRITON_INTERPRET=1 process of the tests marked `triton_interpret`."""
+the separate processes of the tests marked `triton_interpret` (TRITON_INTERPRET=1) or `exact_f32_dots`."""
 import json
 import os
 import subprocess
@@ -52,48 +52,65 @@ def sse_inputs(B, T, H, c, dv, N, *, shared=True, dtype=torch.float64, seed=0, r
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tests marked `triton_interpret` (the cpu cases of tests/test_triton_kernels.py) run in one separate pytest process
-# with TRITON_INTERPRET=1. Triton decides whether a kernel is interpreted when the kernel is decorated, i.e. when
-# its module is imported, so the variable must be set before anything imports the kernels, and a run that also
-# holds cuda cases needs them compiled. The first such test to run starts that process for all the selected ones;
-# each then reports its own outcome from there, with what it printed.
-INTERPRETED_REPORT = "SSE_TEST_INTERPRETED_REPORT"  # set in that process: the file its outcomes go to
-_interpreted_outcomes: dict[str, dict] = {}
+# Tests with one of these markers run in one separate pytest process per marker, with the marker's environment:
+# - `triton_interpret` (the cpu cases of tests/test_triton_kernels.py): TRITON_INTERPRET=1. Triton decides whether
+#   a kernel is interpreted when the kernel is decorated, i.e. when its module is imported, so the variable must be
+#   set before anything imports the kernels, and a run that also holds cuda cases needs them compiled.
+# - `exact_f32_dots` (gpu cases): TRITON_F32_DEFAULT=ieee, float32 dots without tf32 rounding. Triton reads it
+#   when it compiles a kernel and keeps compiled kernels per process, so it too must be set before the first launch.
+# The first such test to run starts its marker's process for all the selected ones; each then reports its own
+# outcome from there, with what it printed.
+SEPARATE_PROCESSES = {"triton_interpret": {"TRITON_INTERPRET": "1"}, "exact_f32_dots": {"TRITON_F32_DEFAULT": "ieee"}}
+SEPARATE_REPORT = "SSE_TEST_SEPARATE_REPORT"  # set in such a process: the file its outcomes go to
+_separate_outcomes: dict[str, dict] = {}
 
 
-def _run_interpreted(session) -> None:
-    nodeids = [item.nodeid for item in session.items if item.get_closest_marker("triton_interpret")]
+def separate_marker(item) -> str | None:
+    """The marker that sends this test to a separate process, if any."""
+    return next((name for name in SEPARATE_PROCESSES if item.get_closest_marker(name)), None)
+
+
+def runs_here(item) -> bool:
+    """Whether this process runs the test itself (rather than collecting its outcome from a separate one)."""
+    return separate_marker(item) is None or bool(os.environ.get(SEPARATE_REPORT))
+
+
+def _run_separately(session, marker: str) -> None:
+    nodeids = [item.nodeid for item in session.items if separate_marker(item) == marker]
     root = session.config.rootpath
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "outcomes.jsonl"
-        env = {**os.environ, "TRITON_INTERPRET": "1", INTERPRETED_REPORT: str(report),
+        env = {**os.environ, **SEPARATE_PROCESSES[marker], SEPARATE_REPORT: str(report),
                "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids], cwd=root,
-                              env=env, capture_output=True, text=True, timeout=1800)
+        # -m "": the node ids are the selection (addopts deselects gpu tests)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", *nodeids],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=1800)
         for line in report.read_text().splitlines() if report.exists() else []:
             outcome = json.loads(line)
-            _interpreted_outcomes[outcome["nodeid"]] = outcome  # a later phase's failure replaces a pass
+            _separate_outcomes[outcome["nodeid"]] = outcome  # a later phase's failure replaces a pass
     for nodeid in nodeids:
-        _interpreted_outcomes.setdefault(nodeid, {"outcome": "failed", "text": f"no outcome (exit {done.returncode})"
-                                                  f"\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"})
+        _separate_outcomes.setdefault(nodeid, {"outcome": "failed", "text": f"no outcome (exit {done.returncode})"
+                                               f"\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"})
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    if pyfuncitem.get_closest_marker("triton_interpret") is None or os.environ.get(INTERPRETED_REPORT):
+    if runs_here(pyfuncitem):
         return None  # pytest runs the test here
-    if pyfuncitem.nodeid not in _interpreted_outcomes:
-        _run_interpreted(pyfuncitem.session)
-    outcome = _interpreted_outcomes[pyfuncitem.nodeid]
+    marker = separate_marker(pyfuncitem)
+    if pyfuncitem.nodeid not in _separate_outcomes:
+        _run_separately(pyfuncitem.session, marker)
+    outcome = _separate_outcomes[pyfuncitem.nodeid]
     if outcome["outcome"] == "skipped":
         pytest.skip(outcome["text"])
     if outcome["outcome"] != "passed":
-        pytest.fail(f"in the TRITON_INTERPRET=1 process:\n{outcome['text']}", pytrace=False)
+        env = " ".join(f"{k}={v}" for k, v in SEPARATE_PROCESSES[marker].items())
+        pytest.fail(f"in the {env} process:\n{outcome['text']}", pytrace=False)
     return True
 
 
 def pytest_runtest_logreport(report):
-    path = os.environ.get(INTERPRETED_REPORT)
+    path = os.environ.get(SEPARATE_REPORT)
     if path and (report.when == "call" or report.outcome != "passed"):
         text = report.longreprtext + "".join(f"\n--- {name} ---\n{content}" for name, content in report.sections)
         with open(path, "a") as f:

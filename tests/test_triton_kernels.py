@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rel_err
+from conftest import rel_err, runs_here
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -54,8 +54,8 @@ def device(request):
 
 @pytest.fixture(autouse=True)
 def seed(request):
-    if request.node.get_closest_marker("triton_interpret") and os.environ.get("TRITON_INTERPRET") != "1":
-        return  # the case runs in the interpreted process, which draws its own seed
+    if not runs_here(request.node):
+        return  # the case runs in a separate process, which draws its own seed
     seed = int(os.environ.get("SSE_TEST_SEED") or random.randrange(2**31))
     print(f"seed {seed} (replay: SSE_TEST_SEED={seed})")
     torch.manual_seed(seed)
@@ -995,16 +995,21 @@ def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch)
 # The model on the indexed path: "auto" takes it on GPU.
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.triton_interpret),
+                                    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.exact_f32_dots])])
 def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch, padded):
     """A small SSE-H training step (loss + backward, float32 model) on the indexed Triton path -- what "auto" takes on
     GPU; on CPU, interpreted, asked for by name -- gives the torch path's loss and parameter gradients, also with a
     left-padded row, whose pad tokens' v the projections zero inside their GEMM's output (read in place by the
-    kernels). Rows cross chunks (64 rows on GPU, 8 here on CPU)."""
+    kernels). Rows cross chunks (64 rows on GPU, 8 here on CPU).
+
+    On the GPU the float32 dots are exact (`exact_f32_dots`), so the bound is the CPU's: with tf32 the first SSE
+    layer's output is 1.5e-3 from the torch path's, which moves the second layer's router logits enough to flip a
+    near-tied token's top-1 partition, and a flip is a discontinuity, not an error (with 37 pads on an H200 the
+    second router's gradient came out 7.7 % apart; 2e-6 with exact dots). The operator's tf32 error is bounded by the
+    other tests here."""
     from kernels import dispatch
     from sse_model import SSEConfig, SSEForCausalLM
-    if device == "cuda" and padded:
-        pytest.skip("on an H200 the left-padded step's gradients differed from the torch path's by up to 7.7 % "
-                    "(2026-11-29, not yet explained; kernels/NOTES.md); the interpreted CPU case agrees to 1e-6")
     width, T = (256, 200) if device == "cuda" else (64, 40)
     config = SSEConfig(vocab_size=512, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
                        layer_types=["linear_attention", "linear_attention", "full_attention"],
@@ -1042,4 +1047,4 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     print(f"dispatched to {taken}, loss {loss.item():.6f} (indexed) vs {loss_ref.item():.6f} (torch)")
     assert taken == ["triton_indexed"], taken
     errors = {"loss": rel_err(loss, loss_ref), "grads": max(rel_err(a, b) for a, b in zip(grads, grads_ref))}
-    assert max(errors.values()) < CHUNK_TOL[device][F32], errors
+    assert max(errors.values()) < CHUNK_TOL["cpu"][F32], errors  # exact dots on both devices
