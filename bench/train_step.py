@@ -9,7 +9,8 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
-one attention layer. Rows of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
+one attention layer (`--models SSE-H-param-matched`: SSE-H with MLP 4928, no more parameters than Qwen3's). Rows
+of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
 (position ids restarting, as TRL's padding-free collator makes them). Gradient checkpointing off and on.
 Attention runs through transformers' `sdpa` in all three models (SSE-H's attention layer attends per sequence in
 packed rows; Qwen3 gets a document mask), and Qwen3 also through `flex_attention` (a block mask: the fair packed
@@ -44,6 +45,10 @@ def models():
                attention_qk_norm=True, sse_balance_loss_coef=0.01)
     return {
         "SSE-H": lambda: SSEForCausalLM(SSEConfig(**SHAPE, **sse, layer_types=[SSE_LAYER] * 5 + [ATTENTION_LAYER])),
+        # SSE-H with Qwen3's parameter count or fewer (437.4M against 439.4M; same-shape SSE-H has 463.4M): the SSE
+        # layers' output gate, low-rank and router weights paid for with a narrower MLP. Not in the default set.
+        "SSE-H-param-matched": lambda: SSEForCausalLM(SSEConfig(**{**SHAPE, "intermediate_size": 4928}, **sse,
+                                                                layer_types=[SSE_LAYER] * 5 + [ATTENTION_LAYER])),
         "all-attention": lambda: SSEForCausalLM(SSEConfig(**SHAPE, **sse, layer_types=[ATTENTION_LAYER] * 6)),
         "Qwen3": lambda: qwen3("sdpa"),
         # Packed rows under sdpa get transformers' T x T document mask; flex attention skips the masked blocks.

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.sse import decode as twin
-from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, token_rows, token_stride, top1
+from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows, token_stride, top1
 
 FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
 ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
@@ -256,7 +256,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
                             *(x.stride(0) for x in (args[0], args[1], args[3], args[4], *shared_args)), top_k,
                             shared, shared and shared_lora, row_topk or 0, decay_normalizer is not None, pow2(H),
                             block_c, pow2(N), num_warps=4)
-        _decode_kernel[(B * H * triton.cdiv(V, block_v),)](
+        _decode_kernel[(B * H * cdiv(V, block_v),)](
             state, slot_ids.contiguous(), vec, part, args[2], out, scale, H, C, V, N, *state.stride(),
             args[2].stride(0), out.stride(0), top_k, shared, fixed, ptx, block_c, block_v, num_warps=num_warps)
     return out

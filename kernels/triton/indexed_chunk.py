@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import logsigmoid, pow2, router_softmax, softmax_keys, token_rows
+from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -362,7 +362,7 @@ def _launch(kernel, C, V, N, chunk_size):
 
 
 def _chunk_grid(tables, H, V, launch):
-    return (tables[3].numel(), H, triton.cdiv(V, launch["BLOCK_V"]))
+    return (tables[3].numel(), H, cdiv(V, launch["BLOCK_V"]))
 
 
 # Launch settings of the chunk kernels (value columns per program, Triton's num_warps / num_stages): the best of
@@ -477,7 +477,7 @@ def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_l
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
     launch = _launch("scan", C, V, N, chunk_size)
     block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
-    tiles = triton.cdiv(C, block_c) * triton.cdiv(V, block_v)
+    tiles = cdiv(C, block_c) * cdiv(V, block_v)
     _scan_kernel[(tiles, H, G)](sums, states, decay, chunk_first, init.contiguous() if init is not None else last,
                                 last, NC, H, C, V, P, init is not None, query, block_c, block_v,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])

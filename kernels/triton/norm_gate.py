@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels import kept_weights
-from kernels.triton.common import pow2, token_rows
+from kernels.triton.common import cdiv, pow2, token_rows
 
 ELEMENTS = 2048  # per program: 16 rows of a head (D = 128), one row of a 2048-wide hidden state
 BACKWARD_PROGRAMS = 1024  # the backward's programs loop over row blocks, so dw's partial sums stay [<= 1024, D]
@@ -94,7 +94,7 @@ class _Norm(torch.autograd.Function):
         block_r, block_d = _blocks(D)
         if R:
             # without a gate, x stands in for its pointer, which the kernel does not read
-            _fwd_kernel[(triton.cdiv(R, block_r),)](x, weight, x if gate is None else gate, y, rstd, R, D, gate_rows,
+            _fwd_kernel[(cdiv(R, block_r),)](x, weight, x if gate is None else gate, y, rstd, R, D, gate_rows,
                                                     gate_stride, eps, gate is not None, block_r, block_d)
         ctx.save_for_backward(x, gate, rstd)
         kept_weights.keep(ctx, weight)
@@ -107,7 +107,7 @@ class _Norm(torch.autograd.Function):
         (weight,) = kept_weights.kept(ctx)
         D, R = x.shape[-1], rstd.numel()
         block_r, block_d = _blocks(D)
-        programs = max(1, min(triton.cdiv(R, block_r), BACKWARD_PROGRAMS))
+        programs = max(1, min(cdiv(R, block_r), BACKWARD_PROGRAMS))
         d_x = torch.empty_like(x)
         d_gate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         # every program writes its row of partial sums; with no rows there is no launch and they are zero

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import carve, pow2, top1
+from kernels.triton.common import carve, cdiv, pow2, top1
 
 BLOCK_T = 256  # tokens per program in the token-parallel kernels
 HIST_BLOCKS = tl.constexpr(64)  # token blocks' histograms summed per step
@@ -157,7 +157,7 @@ def _position_kernel(idx_ptr, hist_ptr, seg_ptr, base_ptr, pos_ptr, part_ptr, ro
 def route_topk(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Top-K partitions [L, K] (int32, descending logits) of router logits [L, N]."""
     L, N = router_logits.shape
-    blocks = triton.cdiv(L, BLOCK_T)
+    blocks = cdiv(L, BLOCK_T)
     idx, hist = carve([L * top_k, blocks * pow2(N)], torch.int32, router_logits.device)
     idx = idx.view(L, top_k)
     if L:
@@ -187,8 +187,8 @@ def route_varlen(router_logits: torch.Tensor, bounds: torch.Tensor, top_k: int, 
     N = router_logits.shape[-1]
     L = router_logits.numel() // N
     S, P, J = bounds.numel() - 1, N + shared, top_k + shared
-    G, device, block_n, blocks = S * P, router_logits.device, pow2(N), triton.cdiv(L, BLOCK_T)
-    num_slots = triton.cdiv(L * J, chunk_size) + G if chunk_size else 0
+    G, device, block_n, blocks = S * P, router_logits.device, pow2(N), cdiv(L, BLOCK_T)
+    num_slots = cdiv(L * J, chunk_size) + G if chunk_size else 0
     idx, hist, seg, pos, part, row_token, chunk_group = carve(
         [L * top_k, blocks * block_n, L, L * J, L * J, L * J, num_slots], torch.int32, device)
     cu, base, chunk_first = carve([G + 1, G, G + 1 if chunk_size else 0], torch.int64, device)
@@ -198,7 +198,7 @@ def route_varlen(router_logits: torch.Tensor, bounds: torch.Tensor, top_k: int, 
     bounds = bounds.to(device=device, dtype=torch.int64).contiguous()
     _segment_kernel[(S,)](bounds, idx, hist, cu, base, seg, S, N, top_k, shared, BLOCK_T, block_n)
     block_s = 128  # chunk slots per program
-    grid = blocks + (triton.cdiv(num_slots, block_s) if chunk_size else 0)
+    grid = blocks + (cdiv(num_slots, block_s) if chunk_size else 0)
     if grid:
         _position_kernel[(grid,)](idx, hist, seg, base, pos, part, row_token, cu, chunk_first, chunk_group, L, N,
                                   blocks, G, num_slots, top_k, shared, BLOCK_T, block_n, chunk_size or 1, block_s)

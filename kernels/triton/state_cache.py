@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.sse import decode as twin
-from kernels.triton.common import pow2
+from kernels.triton.common import cdiv, pow2
 from kernels.triton.decode import FIXED_MAX, ZERO_BELOW, check_state_cache, store_rounded
 
 
@@ -74,7 +74,7 @@ def _launch(states_shape: tuple[int, ...]) -> tuple[tuple[int, int], int, int]:
     S, H, P, C, V = states_shape
     block_c = pow2(C)
     block_v = min(pow2(V), max(1, 4096 // block_c))
-    return (S * H * P, triton.cdiv(V, block_v)), block_c, block_v
+    return (S * H * P, cdiv(V, block_v)), block_c, block_v
 
 
 def read_states_triton(cache: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor | None = None) -> torch.Tensor:
