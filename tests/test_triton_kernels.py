@@ -92,6 +92,15 @@ assert {"triton_varlen", "triton_mask", "triton_indexed"} <= set(kernels.IMPLEME
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.parametrize("variable, value", [
+    pytest.param("TRITON_INTERPRET", "1", marks=pytest.mark.triton_interpret),
+    pytest.param("TRITON_F32_DEFAULT", "ieee", marks=pytest.mark.exact_f32_dots)])
+def test_marked_tests_run_in_a_process_with_their_environment(variable, value):
+    """tests/conftest.py runs each such marker's tests in a pytest process of their own with its variable set (here,
+    whatever the device)."""
+    assert os.environ.get(variable) == value
+
+
 @pytest.mark.parametrize("N, K, shared, lengths", [  # segment lengths: empty, length-1, blocks of 256 tokens crossed
     (4, 1, True, [1, 0, 6, 300, 213]),
     (8, 2, True, [3, 1, 2, 0]),     # short segments: most (segment, partition) groups are empty
