@@ -97,7 +97,7 @@ def compare(width: int, tokens: int, pads: int, seed: int, impl: str, against: s
     report = dict(loss=rel(a["loss"], b["loss"]), grads=sorted(((rel(g, b["grads"][n]), n) for n, g in
                                                                  a["grads"].items()), reverse=True), calls=[])
     for (inputs, o), (inputs_b, o_b) in zip(a["calls"], b["calls"]):
-        (margin, top), top_b = inputs["router_logits"].detach().topk(2, -1), inputs_b["router_logits"].argmax(-1)
+        (logits, top), top_b = inputs["router_logits"].detach().topk(2, -1), inputs_b["router_logits"].argmax(-1)
         reference, reference_grads = replay(inputs, o.grad, "reference", torch.float64, same_strides=False)
         replayed = {}
         for name, same_strides in ((impl, True), (impl, False), (against, False)):
@@ -109,7 +109,7 @@ def compare(width: int, tokens: int, pads: int, seed: int, impl: str, against: s
                 o=rel(out[real], reference[real]), **{f"d{n}": rel(g, reference_grads[n]) for n, g in grads.items()})
         report["calls"].append(dict(
             flips=int(((top[..., 0] != top_b) & real).sum()), tokens=int(real.sum()),
-            margin=float((margin[..., 0] - margin[..., 1])[real].min()), o=rel(o[real], o_b[real]),
+            margin=float((logits[..., 0] - logits[..., 1])[real].min()), o=rel(o[real], o_b[real]),
             dout=rel(o.grad, o_b.grad), inputs=max(rel(inputs[n][real], inputs_b[n][real])
                                                    for n in OPERATOR_INPUTS if inputs.get(n) is not None),
             replayed=replayed))
