@@ -6,6 +6,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
     python bench/train_step.py --lengths 8192 --rounds 5      # every model timed 5 times in turn (`rounds`)
     python bench/train_step.py --lengths 8192 --rounds 3 --alone      # ... each time in a process of its own
+    python bench/train_step.py --lengths 8192 --steps 20 --interleave      # the models' steps in turn
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
@@ -83,7 +84,8 @@ def on_gpu(build):
         return build().to(torch.bfloat16).train()
 
 
-def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+def prepared(build, T: int, packed: bool, checkpointing: bool) -> tuple:
+    """(model on the GPU, its step's keyword arguments): one row of T random tokens, 8 sequences when packed."""
     model = on_gpu(build)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -91,23 +93,30 @@ def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dic
     kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
     if packed:
         kwargs["position_ids"] = (torch.arange(T, device="cuda") % (T // 8))[None]
-    times, host = [], []
+    return model, kwargs
+
+
+def timed_step(model, kwargs: dict) -> tuple[float, float]:
+    """(seconds, host seconds) of one forward + backward from a synchronised GPU: the host's time to queue it is
+    close to the step's where the host bounds the step (or a full launch queue held the host back)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model(**kwargs).loss.backward()
+    queued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return done - t, queued - t
+
+
+def measure(build, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+    model, kwargs = prepared(build, T, packed, checkpointing)
     torch.cuda.reset_peak_memory_stats()
-    for i in range(steps + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model(**kwargs).loss.backward()
-        queued = time.perf_counter()
-        torch.cuda.synchronize()
-        if i:  # the first step compiles and tunes kernels
-            times.append(time.perf_counter() - t)
-            host.append(queued - t)
-        model.zero_grad(set_to_none=True)
+    timed_step(model, kwargs)  # the first step compiles and tunes kernels
+    times, host = zip(*(timed_step(model, kwargs) for _ in range(steps)))
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     torch.cuda.empty_cache()
-    # Per step: its time, and the host's time to queue it (close to the step time: the host bounds the step, or a
-    # full launch queue held the host back).
     return dict(tokens_per_s=T / statistics.median(times), peak_gib=peak,
                 step_ms=[round(x * 1e3, 2) for x in times], host_ms=[round(x * 1e3, 2) for x in host])
 
@@ -150,11 +159,44 @@ def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count:
             tokens_per_s=statistics.median(r["tokens_per_s"] for r in done),
             peak_gib=max(r["peak_gib"] for r in done), rounds=[round(r["tokens_per_s"]) for r in done],
             step_ms=[ms for r in done for ms in r["step_ms"]], host_ms=[ms for r in done for ms in r["host_ms"]])
+    return paired(out)
+
+
+def paired(out: dict) -> dict:
+    """`out` with "paired": SSE-H's tokens/s over the fastest Qwen3's, round by round (where both have rounds)."""
     qwen = [name for name in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if out.get(name)]
     if out.get("SSE-H") and qwen:
         out["paired"] = [round(sse / max(out[name]["rounds"][i] for name in qwen), 3)
                          for i, sse in enumerate(out["SSE-H"]["rounds"])]
     return out
+
+
+def interleaved(builds, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
+    """Every model on the GPU at once and their steps alternating, one step each in turn (the order reversed every
+    other turn), so that a change of the host's speed, which `rounds` spreads over seconds, falls within ~0.1 s
+    on every model alike. As `rounds`, with each turn a round of one step; no peak memory (the models share the
+    GPU's), and an out-of-memory ends the row with no figures."""
+    names = list(builds)
+    try:
+        models = {name: prepared(builds[name], T, packed, checkpointing) for name in names}
+        for model, kwargs in models.values():
+            timed_step(model, kwargs)  # compiles and tunes kernels
+        times = {name: [] for name in names}
+        for i in range(steps):
+            for name in names if i % 2 == 0 else names[::-1]:
+                times[name].append(timed_step(*models[name]))
+    except torch.OutOfMemoryError:
+        return {name: None for name in names}
+    finally:
+        models = None
+        torch.cuda.empty_cache()
+    out = {}
+    for name, timings in times.items():
+        step_s, host_s = zip(*timings)
+        out[name] = dict(tokens_per_s=T / statistics.median(step_s), peak_gib=None,
+                         rounds=[round(T / t) for t in step_s], step_ms=[round(t * 1e3, 2) for t in step_s],
+                         host_ms=[round(t * 1e3, 2) for t in host_s])
+    return paired(out)
 
 
 def profile(builds, T: int, top: int = 25) -> list[str]:
@@ -278,6 +320,9 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="time every model this many times in turn (`rounds`)")
+    p.add_argument("--interleave", action="store_true",
+                   help="every model on the GPU at once, their --steps steps alternating (`interleaved`; no peak "
+                        "memory)")
     p.add_argument("--models", nargs="+", choices=list(models()),
                    default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm"],
                    help="an A/B of two trees may time SSE-H alone")
@@ -290,6 +335,8 @@ def main(argv=None):
     p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.interleave and (args.alone or args.rounds > 1):
+        p.error("--interleave times steps in turn; it takes neither --alone nor --rounds")
     if isinstance(args.alone, str):
         try:
             result = measure(models()[args.alone], args.lengths[0], args.packed, args.checkpointing, args.steps)
@@ -314,7 +361,8 @@ def main(argv=None):
         for packed in (False, True):
             for checkpointing in (False, True):
                 row = dict(T=T, packed=packed, checkpointing=checkpointing)
-                row.update(rounds(builds, T, packed, checkpointing, args.steps, args.rounds, args.alone))
+                row.update(interleaved(builds, T, packed, checkpointing, args.steps) if args.interleave else
+                           rounds(builds, T, packed, checkpointing, args.steps, args.rounds, args.alone))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     now = datetime.now(timezone.utc)
@@ -326,19 +374,23 @@ def main(argv=None):
     names = list(builds)
 
     def cell(r):
-        return "OOM" if r is None else f"{r['tokens_per_s'] / 1e3:.1f}k ({r['peak_gib']:.1f})"
+        if r is None:
+            return "OOM"
+        return f"{r['tokens_per_s'] / 1e3:.1f}k" + ("" if r["peak_gib"] is None else f" ({r['peak_gib']:.1f})")
+    timing = (f"the median of {args.steps} steps, the models' steps in turn (all on the GPU at once)" if args.interleave
+              else f"the median of {args.rounds} round(s) of {args.steps} steps, the models timed in turn"
+                   f"{', each timing in a process of its own' if args.alone else ''}")
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
-             f"tokens/s (peak GiB), the median of {args.rounds} round(s) of {args.steps} steps, the models timed in "
-             f"turn{', each timing in a process of its own' if args.alone else ''}; SSE-H / fastest Qwen3: the "
-             "median of the rounds' ratios (their range); SSE-H host / step: the host's time to queue SSE-H's step "
-             "over the step's time (near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
+             f"tokens/s{'' if args.interleave else ' (peak GiB)'}, {timing}; SSE-H / fastest Qwen3: the median of "
+             "the rounds' ratios (their range); SSE-H host / step: the host's time to queue SSE-H's step over the "
+             "step's time (near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
              "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
     for r in rows:
-        paired = r.get("paired", [])
-        ratio = f"{statistics.median(paired):.2f}" if paired else ""
-        if len(paired) > 1:
-            ratio += f" ({min(paired):.2f}-{max(paired):.2f})"
+        ratios = r.get("paired", [])
+        ratio = f"{statistics.median(ratios):.2f}" if ratios else ""
+        if len(ratios) > 1:
+            ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         sse = r.get("SSE-H")
         host = f"{statistics.median(sse['host_ms']) / statistics.median(sse['step_ms']):.2f}" if sse else ""
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "

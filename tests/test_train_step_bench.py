@@ -64,3 +64,44 @@ def test_a_timing_alone_runs_the_script_in_a_process_of_its_own(monkeypatch):
     assert ran[1][-1] == "--checkpointing"
     with pytest.raises(RuntimeError, match="boom"):
         train_step.measure_alone("SSE-H", 8192, False, False, 4)
+
+
+def test_interleaved_alternates_single_steps_and_pairs_them(monkeypatch):
+    """`interleaved`: every model prepared once and warmed up, then one step each in turn, the order reversed every
+    other turn; each step is a round of its own, so SSE-H is paired with the Qwen3 steps of its turn."""
+    steps = {"SSE-H": [0.5, 0.4, 0.5], "Qwen3-flex": [1.0, 0.8, 1.0], "Qwen3-fused-norm": [0.5, 0.5, 0.4]}
+    calls = []
+
+    def fake_prepared(build, T, packed, checkpointing):
+        return build(), {"T": T}
+
+    def fake_step(name, kwargs):
+        calls.append(name)
+        turn = sum(c == name for c in calls) - 2  # -1 for the warm-up step
+        return (1.0, 0.1) if turn < 0 else (steps[name][turn], 0.1)
+    monkeypatch.setattr(train_step, "prepared", fake_prepared)
+    monkeypatch.setattr(train_step, "timed_step", fake_step)
+    builds = {name: (lambda name=name: name) for name in steps}
+    out = train_step.interleaved(builds, 1000, False, True, steps=3)
+    order = ["SSE-H", "Qwen3-flex", "Qwen3-fused-norm"]
+    assert calls == order + order + order[::-1] + order
+    assert out["SSE-H"]["rounds"] == [2000, 2500, 2000] and out["SSE-H"]["tokens_per_s"] == 2000
+    assert out["SSE-H"]["peak_gib"] is None and out["SSE-H"]["host_ms"] == [100.0] * 3
+    assert out["paired"] == [1.0, 1.25, 0.8]  # fused-norm is the faster Qwen3 in every turn
+
+
+def test_interleaved_out_of_memory_gives_no_figures(monkeypatch):
+    def fake_prepared(build, T, packed, checkpointing):
+        if build() == "Qwen3-flex":
+            raise torch.OutOfMemoryError("fake")
+        return build(), {}
+    monkeypatch.setattr(train_step, "prepared", fake_prepared)
+    monkeypatch.setattr(train_step, "timed_step", lambda model, kwargs: (1.0, 0.1))
+    builds = {name: (lambda name=name: name) for name in ("SSE-H", "Qwen3-flex")}
+    assert train_step.interleaved(builds, 32768, True, False, steps=2) == {"SSE-H": None, "Qwen3-flex": None}
+
+
+def test_interleave_takes_neither_alone_nor_rounds():
+    for flags in (["--alone"], ["--rounds", "3"]):
+        with pytest.raises(SystemExit):
+            train_step.main(["--interleave", *flags])
