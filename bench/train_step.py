@@ -173,9 +173,9 @@ def paired(out: dict) -> dict:
 
 def interleaved(builds, T: int, packed: bool, checkpointing: bool, steps: int) -> dict:
     """Every model on the GPU at once and their steps alternating, one step each in turn (the order reversed every
-    other turn), so that a change of the host's speed, which `rounds` spreads over seconds, falls within ~0.1 s
-    on every model alike. As `rounds`, with each turn a round of one step; no peak memory (the models share the
-    GPU's), and an out-of-memory ends the row with no figures."""
+    other turn), so that a change of the host's speed, which `rounds` spreads over seconds, falls within a turn
+    (~0.2 s at 8k) on every model alike. As `rounds`, with each turn a round of one step; no peak memory (the
+    models share the GPU's), and an out-of-memory ends the row with no figures."""
     names = list(builds)
     try:
         models = {name: prepared(builds[name], T, packed, checkpointing) for name in names}
