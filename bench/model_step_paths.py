@@ -34,8 +34,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def small_model(width: int, device: str, seed: int):
-    """SSE-H of tests/test_triton_kernels.py's model-step test: two SSE layers (n4k1 + shared, LoRA 16), then
-    attention; float32."""
+    """The SSE-H of tests/test_triton_kernels.py's model-step test (which builds it here): two SSE layers (n4k1 +
+    shared, LoRA 16), then attention; float32."""
     from sse_model import SSEConfig, SSEForCausalLM
     config = SSEConfig(vocab_size=512, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
                        layer_types=["linear_attention", "linear_attention", "full_attention"],

@@ -1021,16 +1021,11 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     near-tied token's top-1 partition, and a flip is a discontinuity, not an error (with 37 pads on an H200 the
     second router's gradient came out 7.7 % apart; 2e-6 with exact dots). The operator's tf32 error is bounded by the
     other tests here."""
+    from bench.model_step_paths import small_model  # the model that tool compares paths on, when this fails
     from kernels import dispatch
-    from sse_model import SSEConfig, SSEForCausalLM
     width, T = (256, 200) if device == "cuda" else (64, 40)
-    config = SSEConfig(vocab_size=512, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
-                       layer_types=["linear_attention", "linear_attention", "full_attention"],
-                       num_attention_heads=2, head_dim=width // 2, sse_num_partitions=4, sse_top_k=1,
-                       sse_lora_rank=16)
-    torch.manual_seed(0)
-    model = SSEForCausalLM(config).to(device)
-    ids = torch.randint(0, config.vocab_size, (2, T), device=device)
+    model = small_model(width, device, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, T), device=device)
     mask = torch.ones_like(ids)
     if padded:
         mask[1, :T // 5] = 0
