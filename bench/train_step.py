@@ -8,6 +8,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py --lengths 8192 --rounds 3 --alone      # ... each time in a process of its own
     python bench/train_step.py --lengths 8192 --steps 20 --interleave      # the models' steps in turn
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
+    python bench/train_step.py --split --checkpointing --lengths 8192     # ... of the checkpointed step
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer (`--models SSE-H-param-matched`: SSE-H with MLP 4928, no more parameters than Qwen3's). Rows
@@ -286,21 +287,19 @@ def timeline(model, kwargs: dict) -> list[tuple[float, float]]:
     return [((t - t0) * 1e3, start.elapsed_time(e)) for t, e in marks]
 
 
-def split(builds, T: int, steps: int) -> list[str]:
+def split(builds, T: int, steps: int, checkpointing: bool = False) -> list[str]:
     """Whether a model's unpacked step waits on the host or on the GPU, without a profiler (whose own host cost
     hides it): the step as `measure` times it, the GPU-bound step (`gpu_bound`), the difference (the GPU's idle
     time in a step), the host's time to queue forward and backward, and a `timeline` of one step. A forward that
     waits for the device (transformers' Qwen3 does once, before its first layer, on the 2026-11-28 H100 runs) has
-    the sleep in its host time."""
-    lines = [f"## T = {T}, unpacked, no checkpointing", "",
+    the sleep in its host time. With `checkpointing` the backward's time includes the layers' second forward."""
+    lines = [f"## T = {T}, unpacked, checkpointing {'on' if checkpointing else 'off'}", "",
              "| model | step ms | GPU-bound ms (fwd + bwd) | idle ms | host queues fwd / bwd ms |",
              "| --- | ---: | ---: | ---: | ---: |"]
     timelines = []
     for name, build in builds.items():
-        wall = statistics.median(measure(build, T, False, False, steps)["step_ms"])
-        model = on_gpu(build)
-        ids = torch.randint(0, SHAPE["vocab_size"], (1, T), device="cuda")
-        kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
+        wall = statistics.median(measure(build, T, False, checkpointing, steps)["step_ms"])
+        model, kwargs = prepared(build, T, False, checkpointing)
         model(**kwargs).loss.backward()  # compiles and tunes kernels
         model.zero_grad(set_to_none=True)
         gpu, host = gpu_bound(model, kwargs, steps)
@@ -332,8 +331,9 @@ def main(argv=None):
     p.add_argument("--alone", nargs="?", const=True, default=False, metavar="MODEL",
                    help="every timing in a process of its own (`measure_alone`); with a model: that process, which "
                         "prints the one timing of --lengths, --packed, --checkpointing as a JSON line")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="with --split: the checkpointed step (the table times checkpointing off and on anyway)")
     p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.interleave and (args.alone or args.rounds > 1):
         p.error("--interleave times steps in turn; it takes neither --alone nor --rounds")
@@ -351,7 +351,7 @@ def main(argv=None):
         lines = [f"# Training step {what}, {torch.cuda.get_device_name()}, {now.isoformat(timespec='seconds')}, "
                  f"torch {torch.__version__}, bf16", ""]
         for T in args.lengths:
-            lines += profile(builds, T) if args.profile else split(builds, T, args.steps)
+            lines += profile(builds, T) if args.profile else split(builds, T, args.steps, args.checkpointing)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"train_step_{what}_{now:%Y%m%d-%H%M}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
