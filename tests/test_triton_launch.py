@@ -22,7 +22,7 @@ def test_key_is_as_fine_as_triton_specialisation(monkeypatch):
     """Calls that Triton could compile differently get different keys (dtype, device type, 16-byte alignment of a
     tensor; an int's alignment to 16, being 1, its 32-bit range; bools and constexprs by value; launch options);
     calls Triton compiles alike share one."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     x, y = torch.zeros(64), torch.zeros(64)
     base = key(x, y, 32, True, 0.5, 16, num_warps=4)[0]
     assert key(torch.ones(64), torch.ones(64), 48, True, 2.0, 16, num_warps=4)[0] == base
@@ -41,7 +41,7 @@ def test_key_is_as_fine_as_triton_specialisation(monkeypatch):
 
 def test_arguments_reach_the_launcher_in_parameter_order(monkeypatch):
     """Tensors as their addresses, everything else as given, the constexprs not passed with their defaults."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     x, y = torch.zeros(64), torch.zeros(64)
     assert key(x, y, 32, True, 0.5, 16)[1] == [x.data_ptr(), y.data_ptr(), 32, True, 0.5, 16, 3]
     assert key(x, y, 32, True, 0.5, BLOCK=16, SHIFT=1)[1] == [x.data_ptr(), y.data_ptr(), 32, True, 0.5, 16, 1]
@@ -55,7 +55,7 @@ def test_arguments_reach_the_launcher_in_parameter_order(monkeypatch):
                          ids=["runtime argument by keyword", "unknown keyword", "list argument", "constexpr missing",
                               "too many arguments"])
 def test_calls_the_fast_path_cannot_key_take_tritons_path(monkeypatch, args, meta):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     assert key(*args, **meta) is None
 
 
@@ -85,7 +85,7 @@ def test_first_call_of_a_key_compiles_through_triton_later_calls_launch_it(monke
     monkeypatch.setattr(launch, "_compiled", {})
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", triton.knobs.HookChain())  # no hook
     monkeypatch.setattr(triton.runtime.jit.JITFunction, "__getitem__", getitem)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     x, y = torch.zeros(64), torch.zeros(64)
     launch.launch_kernel(_kernel, (2,), x, y, 32, True, 0.5, 16, num_warps=4)

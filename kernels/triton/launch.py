@@ -28,6 +28,7 @@ TESTED = ("3.6.",)
 OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 _compiled: dict = {}
 _layout: dict = {}
+_tails: dict = {}
 
 
 def enabled() -> bool:
@@ -48,37 +49,42 @@ def _parameters(kernel):
     return _layout[kernel]
 
 
+def _tail(kernel, layout, count: int, meta_names: tuple):
+    """(name, default) of each parameter after the `count` positional arguments, each a constexpr given by keyword
+    or defaulted, when the keywords are such constexprs or launch options; else None. Once per call site's shape."""
+    cache_key = (kernel, count, meta_names)
+    if cache_key not in _tails:
+        constexpr, names, defaults = layout
+        rest = list(zip(names[count:], constexpr[count:], defaults[count:]))
+        valid = count <= len(names) and all(
+            const and (name in meta_names or default is not inspect.Parameter.empty) for name, const, default in rest)
+        valid = valid and all(name in OPTIONS or name in names[count:] for name in meta_names)
+        _tails[cache_key] = [(name, default) for name, _, default in rest] if valid else None
+    return _tails[cache_key]
+
+
 def _key_and_arguments(kernel, layout, args, meta):
     """(cache key, every parameter's value as the launcher takes it: tensors as their addresses), or None where
-    Triton's own path must run."""
-    constexpr, names, defaults = layout
-    if len(args) > len(names):
+    Triton's own path must run. Runs at every launch, hence the plain loop."""
+    tail = _tail(kernel, layout, len(args), tuple(meta))
+    if tail is None:
         return None
-    spec, values = [], []
-    for a, const in zip(args, constexpr):
-        if const or a is None or type(a) is bool:
+    constexpr = layout[0]
+    spec, values = [], list(args)
+    for i, a in enumerate(args):
+        if constexpr[i] or a is None or a is True or a is False:
             spec.append(a)
-            values.append(a)
         elif isinstance(a, torch.Tensor):
-            p = a.data_ptr()
-            spec.append((a.dtype, a.is_cuda, p % 16 == 0))
-            values.append(p)
+            values[i] = p = a.data_ptr()
+            spec.append((a.dtype, a.is_cuda, not p & 15))
         elif type(a) is int:
-            spec.append((a % 16 == 0, a == 1, -2**31 <= a < 2**31, a < 2**63))
-            values.append(a)
+            spec.append((not a & 15, a == 1, -0x80000000 <= a < 0x80000000, a < 0x8000000000000000))
         elif type(a) is float:
             spec.append(float)
-            values.append(a)
         else:
             return None
-    for name, const, default in zip(names[len(args):], constexpr[len(args):], defaults[len(args):]):
-        if not const or (name not in meta and default is inspect.Parameter.empty):
-            return None  # a runtime argument by keyword or a missing one: Triton's path says what it does with it
-        values.append(meta.get(name, default))
-    if any(name not in OPTIONS and name not in names for name in meta):
-        return None
-    key = (kernel, torch.cuda.current_device(), tuple(spec), tuple(sorted(meta.items())))
-    return key, values
+    values.extend(meta[name] if name in meta else default for name, default in tail)
+    return (kernel, torch._C._cuda_getDevice(), tuple(spec), tuple(meta.items())), values
 
 
 def _hooked() -> bool:
