@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import pow2, router_softmax, softmax_keys
-from kernels.triton.launch import launch_kernel
 
 
 @triton.jit
@@ -171,9 +170,9 @@ class _Expand(torch.autograd.Function):
 
         rows = new(C, q.dtype), new(C, q.dtype), new(V, v.dtype), new(C, torch.float32)
         if L:
-            launch_kernel(_expand_fwd_kernel, (L,), q, k_logits, v, log_decay, router_logits, q_shared if shared else q,
-                          k_shared_logits if shared else k_logits, part, pos, *rows, H, C, V, N, J, shared,
-                          row_topk or 0, **_blocks(H, C, V, N), num_warps=_warps(H, C))
+            _expand_fwd_kernel[(L,)](q, k_logits, v, log_decay, router_logits, q_shared if shared else q,
+                                     k_shared_logits if shared else k_logits, part, pos, *rows, H, C, V, N, J,
+                                     shared, row_topk or 0, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         ctx.save_for_backward(q, k_logits, router_logits, q_shared, k_shared_logits, part, pos)
         ctx.shapes, ctx.row_topk, ctx.dtypes = (L, H, C, V, N, J), row_topk, (v.dtype, log_decay.dtype)
         return rows
@@ -190,10 +189,10 @@ class _Expand(torch.autograd.Function):
         dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
         if L:
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
-            launch_kernel(_expand_bwd_kernel, (L,), q, k_logits, router_logits, q_shared if shared else q,
-                          k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg, de,
-                          dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C, H * C, J, shared,
-                          ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
+            _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
+                                     k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg,
+                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C, H * C,
+                                     J, shared, ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
 
 
@@ -204,7 +203,7 @@ class _Collect(torch.autograd.Function):
         L, J = pos.shape
         o = torch.empty(L, H, V, dtype=out_dtype, device=rows.device)
         if L:
-            launch_kernel(_collect_fwd_kernel, (L,), rows.contiguous(), pos, o, H, V, J, pow2(H), pow2(V))
+            _collect_fwd_kernel[(L,)](rows.contiguous(), pos, o, H, V, J, pow2(H), pow2(V))
         ctx.save_for_backward(pos)
         ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
         return o
@@ -215,8 +214,7 @@ class _Collect(torch.autograd.Function):
         R, H, V = ctx.rows_shape
         drows = torch.empty(R, H, V, dtype=ctx.rows_dtype, device=do.device)
         if pos.shape[0]:
-            launch_kernel(_collect_bwd_kernel, (pos.shape[0],), do.contiguous(), pos, drows, H, V, pos.shape[1],
-                          pow2(H), pow2(V))
+            _collect_bwd_kernel[(pos.shape[0],)](do.contiguous(), pos, drows, H, V, pos.shape[1], pow2(H), pow2(V))
         return drows, None, None
 
 

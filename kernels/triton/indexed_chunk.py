@@ -35,7 +35,6 @@ import triton.language as tl
 
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
-from kernels.triton.launch import launch_kernel
 from kernels.triton.routing import route_varlen
 
 CHUNK = 64               # rows per chunk
@@ -342,9 +341,9 @@ def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logit
     # without row-sparse keys the shared rows decay as the routed ones
     g_s = next(buffers) if shared and row_topk else g
     if L:
-        launch_kernel(_keys_kernel, (L,), k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g,
-                      g_s, decay_normalizer or 1.0, H, C, strides[1], shared, row_topk or 0,
-                      decay_normalizer is not None, pow2(H), pow2(C), num_warps=_warps(H, C))
+        _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
+                           decay_normalizer or 1.0, H, C, strides[1], shared, row_topk or 0,
+                           decay_normalizer is not None, pow2(H), pow2(C), num_warps=_warps(H, C))
     return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
 
 
@@ -402,15 +401,16 @@ class _IndexedChunk(torch.autograd.Function):
         o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         launch = _launch("output", C, V, N, chunk_size)
-        launch_kernel(_output_kernel, _chunk_grid(tables, H, V, launch), row_token, cu, chunk_first, chunk_group, q_,
-                      keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N, P, sq, sv, scale, **launch)
+        _output_kernel[_chunk_grid(tables, H, V, launch)](
+            row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
+            P, sq, sv, scale, **launch)
         made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
         keep = h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
         kept = (h, keys, g, keys_s, gs) if keep else (None,) * 5
         del sources, made, keys, g, keys_s, gs  # freed here unless kept
         o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
-            launch_kernel(_collect_fwd_kernel, (L,), o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
+            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
         ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                               final, *kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer, strides)
@@ -442,11 +442,11 @@ class _IndexedChunk(torch.autograd.Function):
         q_, keys, g, e, qs, keys_s, gs = sources
         index = (row_token, cu, chunk_first, chunk_group)
         launch = _launch("dv", C, V, N, chunk_size)
-        launch_kernel(_dv_kernel, _chunk_grid(tables, H, V, launch), *index, q_, keys, g, e, qs, keys_s, gs, do, dh,
-                      dv_rows, G, NC, H, C, V, N, P, sq, scale, **launch)
-        launch_kernel(_dq_dk_dg_kernel, _chunk_grid(tables, H, V, launch)[:2], *index, q_, keys, v, g, e, qs, keys_s,
-                      gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N, P, sq, sv, scale,
-                      **_launch("dq_dk_dg", C, V, N, chunk_size))
+        _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
+                                                      H, C, V, N, P, sq, scale, **launch)
+        _dq_dk_dg_kernel[_chunk_grid(tables, H, V, launch)[:2]](
+            *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
+            P, sq, sv, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
@@ -470,16 +470,17 @@ def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_l
     sums = torch.empty(H, NC, C, V, dtype=torch.float32 if exact_last else x.dtype, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
     launch = _launch("chunk_sums", C, V, N, chunk_size)
-    launch_kernel(_chunk_sums_kernel, _chunk_grid(tables, H, V, launch), row_token, cu, chunk_first, chunk_group, q,
-                  keys, x, g, e, qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, sq, sx, scale, query, **launch)
+    _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
+                                                          qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, sq, sx,
+                                                          scale, query, **launch)
     states = sums if sums.dtype == x.dtype else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
     launch = _launch("scan", C, V, N, chunk_size)
     block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
     tiles = cdiv(C, block_c) * cdiv(V, block_v)
-    launch_kernel(_scan_kernel, (tiles, H, G), sums, states, decay, chunk_first,
-                  init.contiguous() if init is not None else last, last, NC, H, C, V, P, init is not None, query,
-                  block_c, block_v, num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    _scan_kernel[(tiles, H, G)](sums, states, decay, chunk_first, init.contiguous() if init is not None else last,
+                                last, NC, H, C, V, P, init is not None, query, block_c, block_v,
+                                num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return states, last
 
 
@@ -495,11 +496,11 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     dg, de = torch.empty_like(log_decay), torch.empty_like(router_logits)
     dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
     if L:
-        launch_kernel(_expand_bwd_kernel, (L,), q, k_logits, router_logits, q_shared if shared else q,
-                      k_shared_logits if shared else k_logits, log_decay, part, pos, *row_grads, dq, dk, dv, dg, de,
-                      dqs if shared else dq, dks if shared else dk, decay_normalizer or 1.0, H, C, V, N, strides[0],
-                      strides[1], J, shared, row_topk or 0, decay_normalizer is not None, **_blocks(H, C, V, N),
-                      num_warps=_warps(H, C))
+        _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
+                                 k_shared_logits if shared else k_logits, log_decay, part, pos, *row_grads, dq, dk,
+                                 dv, dg, de, dqs if shared else dq, dks if shared else dk, decay_normalizer or 1.0, H,
+                                 C, V, N, strides[0], strides[1], J, shared, row_topk or 0,
+                                 decay_normalizer is not None, **_blocks(H, C, V, N), num_warps=_warps(H, C))
     return dq, dk, dv, dg, de, dqs, dks
 
 

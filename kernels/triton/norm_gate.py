@@ -14,7 +14,6 @@ import triton.language as tl
 
 from kernels import kept_weights
 from kernels.triton.common import cdiv, pow2, token_rows
-from kernels.triton.launch import launch_kernel
 
 ELEMENTS = 2048  # per program: 16 rows of a head (D = 128), one row of a 2048-wide hidden state
 BACKWARD_PROGRAMS = 1024  # the backward's programs loop over row blocks, so dw's partial sums stay [<= 1024, D]
@@ -95,8 +94,8 @@ class _Norm(torch.autograd.Function):
         block_r, block_d = _blocks(D)
         if R:
             # without a gate, x stands in for its pointer, which the kernel does not read
-            launch_kernel(_fwd_kernel, (cdiv(R, block_r),), x, weight, x if gate is None else gate, y, rstd, R, D,
-                          gate_rows, gate_stride, eps, gate is not None, block_r, block_d)
+            _fwd_kernel[(cdiv(R, block_r),)](x, weight, x if gate is None else gate, y, rstd, R, D, gate_rows,
+                                                    gate_stride, eps, gate is not None, block_r, block_d)
         ctx.save_for_backward(x, gate, rstd)
         kept_weights.keep(ctx, weight)
         ctx.gate_layout = gate_rows, gate_stride
@@ -115,8 +114,8 @@ class _Norm(torch.autograd.Function):
         dw = (torch.empty if R else torch.zeros)(programs, D, dtype=torch.float32, device=x.device)
         if R:
             gated = gate is not None  # else x and d_x stand in for the gate's pointers, which are not touched
-            launch_kernel(_bwd_kernel, (programs,), x, weight, gate if gated else x, rstd, dy.contiguous(), d_x,
-                          d_gate if gated else d_x, dw, R, D, *ctx.gate_layout, gated, block_r, block_d)
+            _bwd_kernel[(programs,)](x, weight, gate if gated else x, rstd, dy.contiguous(), d_x,
+                                     d_gate if gated else d_x, dw, R, D, *ctx.gate_layout, gated, block_r, block_d)
         return d_x, dw.sum(0).to(weight.dtype), d_gate, None
 
 

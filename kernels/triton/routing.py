@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import carve, cdiv, pow2, top1
-from kernels.triton.launch import launch_kernel
 
 BLOCK_T = 256  # tokens per program in the token-parallel kernels
 HIST_BLOCKS = tl.constexpr(64)  # token blocks' histograms summed per step
@@ -162,7 +161,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     idx, hist = carve([L * top_k, blocks * pow2(N)], torch.int32, router_logits.device)
     idx = idx.view(L, top_k)
     if L:
-        launch_kernel(_route_kernel, (blocks,), router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, pow2(N))
+        _route_kernel[(blocks,)](router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, pow2(N))
     return idx
 
 
@@ -195,14 +194,13 @@ def route_varlen(router_logits: torch.Tensor, bounds: torch.Tensor, top_k: int, 
     cu, base, chunk_first = carve([G + 1, G, G + 1 if chunk_size else 0], torch.int64, device)
     idx, pos, part = idx.view(L, top_k), pos.view(L, J), part.view(L, J)
     if L:
-        launch_kernel(_route_kernel, (blocks,), router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, block_n)
+        _route_kernel[(blocks,)](router_logits.contiguous(), idx, hist, L, N, top_k, BLOCK_T, block_n)
     bounds = bounds.to(device=device, dtype=torch.int64).contiguous()
-    launch_kernel(_segment_kernel, (S,), bounds, idx, hist, cu, base, seg, S, N, top_k, shared, BLOCK_T, block_n)
+    _segment_kernel[(S,)](bounds, idx, hist, cu, base, seg, S, N, top_k, shared, BLOCK_T, block_n)
     block_s = 128  # chunk slots per program
     grid = blocks + (cdiv(num_slots, block_s) if chunk_size else 0)
     if grid:
-        launch_kernel(_position_kernel, (grid,), idx, hist, seg, base, pos, part, row_token, cu, chunk_first,
-                      chunk_group, L, N, blocks, G, num_slots, top_k, shared, BLOCK_T, block_n, chunk_size or 1,
-                      block_s)
+        _position_kernel[(grid,)](idx, hist, seg, base, pos, part, row_token, cu, chunk_first, chunk_group, L, N,
+                                  blocks, G, num_slots, top_k, shared, BLOCK_T, block_n, chunk_size or 1, block_s)
     return Routing(idx, pos, cu, part, row_token, chunk_first if chunk_size else None,
                    chunk_group if chunk_size else None)
