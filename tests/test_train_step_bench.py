@@ -1,5 +1,7 @@
 """bench/train_step.py's rounds: the models timed in turn, order reversed every other round, and SSE-H's ratio to
 the fastest Qwen3 taken round by round (the timings themselves need a GPU node)."""
+import types
+
 import pytest
 import torch
 
@@ -105,3 +107,33 @@ def test_interleave_takes_neither_alone_nor_rounds():
     for flags in (["--alone"], ["--rounds", "3"]):
         with pytest.raises(SystemExit):
             train_step.main(["--interleave", *flags])
+
+
+def test_split_times_the_step_asked_for(monkeypatch):
+    """`split` with checkpointing measures and prepares the checkpointed step (its table says which), and lists the
+    GPU-bound forward and backward, the idle time and the host's queueing per model."""
+    asked = []
+
+    class FakeModel:
+        def __call__(self, **kwargs):
+            return types.SimpleNamespace(loss=types.SimpleNamespace(backward=lambda: None))
+
+        def zero_grad(self, set_to_none):
+            pass
+
+    def fake_measure(build, T, packed, checkpointing, steps):
+        asked.append(("measure", packed, checkpointing))
+        return {"step_ms": [60.0, 62.0, 64.0]}
+
+    def fake_prepared(build, T, packed, checkpointing):
+        asked.append(("prepared", packed, checkpointing))
+        return FakeModel(), {}
+    monkeypatch.setattr(train_step, "measure", fake_measure)
+    monkeypatch.setattr(train_step, "prepared", fake_prepared)
+    monkeypatch.setattr(train_step, "gpu_bound", lambda model, kwargs, steps: ([(20.0, 40.0)], [(5.0, 10.0)]))
+    monkeypatch.setattr(train_step, "timeline", lambda model, kwargs: [(1.0, 1.5)])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    lines = train_step.split({"SSE-H": lambda: None}, 8192, steps=3, checkpointing=True)
+    assert asked == [("measure", False, True), ("prepared", False, True)]
+    assert lines[0] == "## T = 8192, unpacked, checkpointing on"
+    assert "| SSE-H | 62.00 | 60.00 (20.00 + 40.00) | 2.00 | 5.00 / 10.00 |" in lines
