@@ -11,8 +11,7 @@ what came of it: a launch path of our own saved too little to keep).
 """
 import argparse
 import json
-import statistics
-import time
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,6 +20,9 @@ import triton
 import triton.language as tl
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from layer_host import held_us  # noqa: E402  (host us per call with the GPU held by a sleep kernel)
 
 
 @triton.jit
@@ -49,21 +51,6 @@ def _twenty(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
     tl.store(out + i, x + tl.load(a16 + i, mask=m) + tl.load(a17 + i, mask=m) + tl.load(a18 + i, mask=m), mask=m)
 
 
-def host_us(fn, calls: int = 150, repeats: int = 5) -> float:
-    """Median over `repeats` loops of the host's us per call, the GPU held by a sleep kernel meanwhile."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -79,8 +66,9 @@ def main(argv=None):
 
         def launcher(c=compiled, a=addresses):
             c.run(1, 1, 1, stream, c.function, c.packed_metadata, None, None, None, *a)
-        rows[tensors] = dict(triton_us=host_us(lambda k=kernel, c=call: k[(1,)](*c, BLOCK=1024)),
-                             launcher_us=host_us(launcher))
+        # 150 launches a loop stay within CUDA's launch queue
+        rows[tensors] = dict(triton_us=held_us(lambda k=kernel, c=call: k[(1,)](*c, BLOCK=1024), calls=150),
+                             launcher_us=held_us(launcher, calls=150))
     now = datetime.now(timezone.utc)
     print(f"Host us per launch, {torch.cuda.get_device_name()}, Triton {triton.__version__}, {now:%Y-%m-%d %H:%M} UTC"
           "\n\n| tensor arguments | kernel[grid](...) | its compiled launcher, addresses given |"
