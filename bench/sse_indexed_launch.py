@@ -1,9 +1,9 @@
-"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/indexed_chunk.py, `LAUNCH`): value
-columns per program (BLOCK_V), Triton's num_warps and num_stages per kernel, one kernel at a time (each keeps the
-best found before it), timed as the whole operator's forward+backward (bf16, N = 4, K = 1 + shared, 16 heads of
-128, one sequence of T tokens). Settings that do not fit the GPU (shared memory, registers) are skipped. Ends with
-the shipped settings against the best found at every length of `--lengths`, in one run, and how far the best
-settings' outputs and gradients move from the shipped ones'.
+"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/indexed_chunk.py, `LAUNCH`): value columns
+per program (BLOCK_V; key columns, BLOCK_C, for dq_dk_dg), Triton's num_warps and num_stages per kernel, one kernel
+at a time (each keeps the best found before it), timed as the whole operator's forward+backward (bf16, N = 4, K = 1 +
+shared, 16 heads of 128, one sequence of T tokens). Settings that do not fit the GPU (shared memory, registers) are
+skipped. Ends with the shipped settings against the best found at every length of `--lengths`, in one run, and how
+far the best settings' outputs and gradients move from the shipped ones'.
 
     python bench/sse_indexed_launch.py [--kernels output dv dq_dk_dg] [--sweep-T 32768] [--lengths 16384 65536]
                                        [--out bench/results]
@@ -29,7 +29,9 @@ CANDIDATES = {
     "scan": [dict(BLOCK_V=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (2, 4) for s in (1, 2)],
     "chunk_sums": [dict(BLOCK_V=128, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)],
     **{name: [dict(BLOCK_V=b, num_warps=w, num_stages=s) for b in (64, 128) for w in (4, 8) for s in (2, 3)]
-       for name in ("output", "dv", "dq_dk_dg")},
+       for name in ("output", "dv")},
+    "dq_dk_dg": [dict(BLOCK_C=c, BLOCK_V=b, num_warps=w, num_stages=s) for c in (64, 128) for b in (32, 64, 128)
+                 for w in (4, 8) for s in (1, 2, 3)],
 }
 
 

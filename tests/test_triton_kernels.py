@@ -306,6 +306,36 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
     assert max(errors.values()) < CHUNK_TOL[device][F32], errors
 
 
+@pytest.mark.parametrize("key_blocks", [2.0, 1.5], ids=["two-key-blocks", "second-block-part-masked"])
+def test_indexed_chunk_splits_dq_dk_dg_by_key_columns(device, key_blocks, monkeypatch):
+    """`_dq_dk_dg_kernel` runs a program per block of key columns (`LAUNCH["dq_dk_dg"]["BLOCK_C"]`, 64 of 128 on
+    the GPU); each rebuilds its columns' rows and decides on its own whether its scores take the pairwise form. Keys
+    of two blocks, or one and a half (the second block's last columns masked), against the float64 reference, on a
+    varlen batch whose head 1 decays strongly in its first half of key columns only (so one program of a chunk takes
+    the pairwise form and the other the factorised one) and the other heads mildly."""
+    from kernels.sse import sse_reference
+    from kernels.triton import indexed_chunk
+    block = 16 if device == "cpu" else indexed_chunk.LAUNCH["dq_dk_dg"]["BLOCK_C"]
+    monkeypatch.setitem(indexed_chunk.LAUNCH, "dq_dk_dg", {**indexed_chunk.LAUNCH["dq_dk_dg"], "BLOCK_C": block})
+    H, dv, lengths = (SHAPES[device][n] for n in ("H", "dv", "lengths"))
+    c = int(block * key_blocks)
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T, N = int(cu[-1]), 4
+    ins = random_inputs(1, T, H, c, dv, N, True, len(lengths), F32, device)
+    log_decay = ins["log_decay"].detach().clone()
+    log_decay[:, :, 1, :block // 2] = torch.nn.functional.logsigmoid(torch.randn(1, T, block // 2, device=device) - 12)
+    ins["log_decay"] = log_decay.requires_grad_()
+    kw = dict(top_k=1, cu_seqlens=cu)
+    cot = cotangents_for(T, H, N, c, dv, len(lengths), device)
+    got = forward_backward(chunk_impl("triton_indexed", device), ins, cot, **kw)
+    ref = forward_backward(sse_reference, {n: x.detach().double().requires_grad_() for n, x in ins.items()}, cot,
+                           **kw)
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert errors.pop("d_log_decay") < 1e-2, "d_log_decay"  # as for strong decays (the test above)
+    assert max(errors.values()) < CHUNK_TOL[device][F32], errors
+
+
 @pytest.mark.parametrize("kept", [True, False], ids=["states-kept", "states-recomputed"])
 def test_indexed_chunk_backward_keeps_or_recomputes_states(device, kept, monkeypatch):
     """The backward takes the forward's per-chunk states, keys and log-decays when they fit `KEPT_BYTES` and makes

@@ -64,12 +64,12 @@ def _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT: t
 
 
 @triton.jit
-def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, SQ, scale,
+def _row_inputs(tok, live, part, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, SQ, scale, c0,
                 BT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
     """(scale * q_row, k_row, b, b_last) [BT, BLOCK_C] in float32 for rows of partition `part` (N = shared), from
-    the token tensors of `_keys_kernel` (keys, decays masked to the kept key rows) and q (tokens SQ apart). Dead
-    rows give zeros (and zero decay, so b is flat past a group's last row)."""
-    c = tl.arange(0, BLOCK_C)[None, :]
+    the token tensors of `_keys_kernel` (keys, decays masked to the kept key rows) and q (tokens SQ apart), key
+    columns c0 ... c0 + BLOCK_C. Dead rows give zeros (and zero decay, so b is flat past a group's last row)."""
+    c = c0 + tl.arange(0, BLOCK_C)[None, :]
     n = tl.arange(0, BLOCK_N)[None, :]
     m = live[:, None] & (c < C)
     hc = tok[:, None] * H * C + h * C + c
@@ -153,7 +153,7 @@ def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, 
     if tl.max(live.to(tl.int32)) == 0:
         return
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, 0, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     x = tl.load(x_ptr + tok[:, None] * SX + h * V + d, mask=live[:, None] & (d < V), other=0.0)
@@ -228,7 +228,7 @@ def _output_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_pt
     if tl.max(live.to(tl.int32)) == 0:
         return
     q, k, b, _ = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N, SQ,
-                                scale, BT, BLOCK_C, BLOCK_N)
+                                scale, 0, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)[:, None]
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     dt = v_ptr.dtype.element_ty
@@ -248,7 +248,7 @@ def _dv_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k
     if tl.max(live.to(tl.int32)) == 0:
         return
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, 0, BT, BLOCK_C, BLOCK_N)
     c = tl.arange(0, BLOCK_C)[:, None]
     d = vb * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     dt = do_ptr.dtype.element_ty
@@ -267,12 +267,12 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
     """With dA = tril(do v^T), both from one pass over the value blocks:
     dq_row = scale * (dA (k e^-b) + do h^T) e^b,  dk_row = (dA^T (q e^b)) e^-b + (v dh_after^T) e^(b_last - b),
     dg_row from q dq - k dk (module docstring); pairwise when e^-b would overflow."""
-    cid, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cid, h, c0 = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2) * BLOCK_C
     g, r, live, tok = _rows(cid, row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, G, BT)
     if tl.max(live.to(tl.int32)) == 0:
         return
     dt = do_ptr.dtype.element_ty
-    c = tl.arange(0, BLOCK_C)
+    c = c0 + tl.arange(0, BLOCK_C)
     dA = tl.zeros([BT, BT], tl.float32)
     dq = tl.zeros([BT, BLOCK_C], tl.float32)  # w.r.t. the scaled q
     dk = tl.zeros([BT, BLOCK_C], tl.float32)
@@ -298,7 +298,7 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
         dgh += tl.sum(after * dh.to(tl.float32), 1)
     # The rows' inputs only now: the loop above keeps fewer registers live without them.
     q, k, b, b_last = _row_inputs(tok, live, g % P, h, q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, H, C, N,
-                                     SQ, scale, BT, BLOCK_C, BLOCK_N)
+                                     SQ, scale, c0, BT, BLOCK_C, BLOCK_N)
     dk *= tl.exp(b_last[None, :] - b)
     t, s = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
     dA = tl.where(t >= s, dA, 0.0)
@@ -356,9 +356,11 @@ def _sources(q, keys, g, router_logits, q_shared, keys_s, g_s):
 def _launch(kernel, C, V, N, chunk_size):
     """Block sizes and launch settings of one chunk kernel. `LAUNCH[kernel]["BLOCK_V"]` caps the value columns of
     one program: every program of a chunk rebuilds the chunk's rows (and the output kernels its scores), so fewer,
-    wider programs rebuild them fewer times, at the cost of registers."""
+    wider programs rebuild them fewer times, at the cost of registers. "BLOCK_C", where given, caps the key columns
+    of one program (`_dq_dk_dg_kernel`, whose results split by key column)."""
     launch = dict(LAUNCH[kernel])
-    return dict(BT=chunk_size, BLOCK_C=pow2(C), BLOCK_V=min(pow2(V), launch.pop("BLOCK_V")), BLOCK_N=pow2(N), **launch)
+    return dict(BT=chunk_size, BLOCK_C=min(pow2(C), launch.pop("BLOCK_C", pow2(C))),
+                BLOCK_V=min(pow2(V), launch.pop("BLOCK_V")), BLOCK_N=pow2(N), **launch)
 
 
 def _chunk_grid(tables, H, V, launch):
@@ -368,12 +370,15 @@ def _chunk_grid(tables, H, V, launch):
 # Launch settings of the chunk kernels (value columns per program, Triton's num_warps / num_stages): the best of
 # bench/sse_indexed_launch.py on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier
 # all-default stages, the per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients
-# bit-identical). dq_dk_dg: 3 stages need more shared memory than an H100 has with float32 inputs.
+# bit-identical). dq_dk_dg: half the key columns a program (twice the programs, each with half the accumulators
+# and the state tiles' reads, dA computed by both), 4 warps: the op's forward+backward 2.24 -> 2.12 ms at 8k and
+# 10.09 -> 9.53 at 32k on an H200 (bench/results/sse_indexed_launch_20261129-2231_key_blocks.md; all 128 columns
+# a program ran 2.22-2.31 ms with 8 warps, 1.6-2.4x slower with 4).
 LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
           "scan": dict(BLOCK_V=64, num_warps=4, num_stages=2),
           "output": dict(BLOCK_V=128, num_warps=8, num_stages=3),
           "dv": dict(BLOCK_V=128, num_warps=8, num_stages=3),
-          "dq_dk_dg": dict(BLOCK_V=64, num_warps=8, num_stages=2)}
+          "dq_dk_dg": dict(BLOCK_C=64, BLOCK_V=64, num_warps=4, num_stages=2)}
 
 
 class _IndexedChunk(torch.autograd.Function):
@@ -444,9 +449,10 @@ class _IndexedChunk(torch.autograd.Function):
         launch = _launch("dv", C, V, N, chunk_size)
         _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
                                                       H, C, V, N, P, sq, scale, **launch)
-        _dq_dk_dg_kernel[_chunk_grid(tables, H, V, launch)[:2]](
+        launch = _launch("dq_dk_dg", C, V, N, chunk_size)  # [chunk slots, heads, key blocks]: it loops over values
+        _dq_dk_dg_kernel[(chunk_group.numel(), H, cdiv(C, launch["BLOCK_C"]))](
             *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
-            P, sq, sv, scale, **_launch("dq_dk_dg", C, V, N, chunk_size))
+            P, sq, sv, scale, **launch)
         del h, dh, sources
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
