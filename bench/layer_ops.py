@@ -8,8 +8,9 @@ and each Triton launch ~20-30 us on the GPU node, but timing them there moves wi
 does (bench/results/train_step_8k_host_20261129b.md). Counts do not: this runs the layers of bench/train_step.py's
 models at a tiny width on the CPU with the GPU path's Python (the indexed SSE operator and the fused norms, whose
 Triton launches are recorded and skipped, so their outputs are garbage) and counts, per forward, backward and
-checkpointed forward + backward, the aten ops (a TorchDispatchMode) and the launches by kernel. Writes
-layer_ops_<date>.json with the torch version (op counts differ a little between versions and devices).
+checkpointed forward + backward, the aten ops (a TorchDispatchMode) and the launches by kernel, and the tensors a
+forward saves for the backward. Writes layer_ops_<date>.json with the torch version (op counts differ a little
+between versions and devices).
 """
 import argparse
 import collections
@@ -70,10 +71,15 @@ def gpu_path_on_cpu(launches: collections.Counter):
 
 def measure() -> dict:
     """{layer: {"forward" | "backward" | "checkpointed forward + backward": {"aten_ops", "launches",
-    "by_kernel"}}}."""
+    "by_kernel"}, the forward's also "saved_tensors"}}."""
     sse, sse_fn, qwen, qwen_fn, x = layers(64, "cpu", {**SHAPE, **TINY}, sse_impl="triton_indexed")
     calls, modules = {"SSE": sse_fn, "Qwen3": qwen_fn}, (sse, qwen)
     launches = collections.Counter()
+    saved = []  # the tensors a forward saves for the backward
+
+    def save(t):
+        saved.append(t)
+        return t
     results = {}
     with gpu_path_on_cpu(launches):
         for name, fn in calls.items():
@@ -84,14 +90,18 @@ def measure() -> dict:
             rows = {}
             for part in ("forward", "backward", "checkpointed forward + backward"):
                 launches.clear()
+                saved.clear()
                 with _AtenOps() as ops:
                     if part == "forward":
-                        out = fn(x)
+                        with torch.autograd.graph.saved_tensors_hooks(save, lambda t: t):
+                            out = fn(x)
                     elif part == "backward":
                         out.float().sum().backward()
                     else:
                         checkpoint(fn, x, use_reentrant=False).float().sum().backward()
                 rows[part] = dict(aten_ops=ops.count, launches=sum(launches.values()), by_kernel=dict(launches))
+                if part == "forward":  # each runs checkpoint's Python hooks three times a checkpointed step
+                    rows[part]["saved_tensors"] = len(saved)
                 if part != "forward":  # each pass starts with no gradients, as a training step's does
                     for module in modules:
                         module.zero_grad(set_to_none=True)
@@ -111,6 +121,8 @@ def main(argv=None):
     for part in results["SSE"]:
         cells = [f"{results[m][part]['aten_ops']} / {results[m][part]['launches']}" for m in ("SSE", "Qwen3")]
         print(f"| {part} | " + " | ".join(cells) + " |")
+    print("| tensors saved for the backward, forward | " +
+          " | ".join(str(results[m]["forward"]["saved_tensors"]) for m in ("SSE", "Qwen3")) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"layer_ops_{now:%Y%m%d-%H%M}.json"
     path.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), torch=torch.__version__,

@@ -370,6 +370,29 @@ def test_indexed_chunk_backward_keeps_or_recomputes_states(device, kept, monkeyp
     assert not failures, "\n".join(failures)
 
 
+def test_indexed_chunk_saves_each_allocation_once(device):
+    """The operator saves each allocation once (`kernels.saved_views`): the routing tables (views of two), the keys
+    and log-decays (views of one) and column blocks of one input tensor each cost a saved variable, and under
+    gradient checkpointing Python hooks, otherwise. The gradients through those saves: the tests above."""
+    from kernels.triton import indexed_chunk
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    T, N = 20, 4
+    ins = random_inputs(1, T, H, c, dv, N, True, 1, F32, device)
+    qkv = torch.randn(1, T, H, 2 * c + dv, device=device, requires_grad=True)  # q, k, v as column blocks of one
+    ins["q"], ins["k_logits"], ins["v"] = qkv.split([c, c, dv], -1)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = indexed_chunk.sse_triton_indexed(**ins, top_k=1, chunk_size=8)
+    storages = [t.untyped_storage().data_ptr() for t in packed]
+    assert len(storages) == len(set(storages)), [tuple(t.shape) for t in packed]
+    o.sum().backward()  # through the views rebuilt on qkv
+    assert torch.isfinite(qkv.grad).all() and qkv.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("row_topk", [None, 4], ids=["dense", "row-sparse"])
 def test_indexed_chunk_takes_decay_logits(device, row_topk):
     """With `decay_normalizer` the indexed path takes decay logits x and applies log a = logsigmoid(x) / 16 in its
@@ -1044,7 +1067,7 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     """A small SSE-H training step (loss + backward, float32 model) on the indexed Triton path -- what "auto" takes on
     GPU; on CPU, interpreted, asked for by name -- gives the torch path's loss and parameter gradients, also with a
     left-padded row, whose pad tokens' v the projections zero inside their GEMM's output (read in place by the
-    kernels). Rows cross chunks (64 rows on GPU, 8 here on CPU).
+    kernels), and with gradient checkpointing the same step. Rows cross chunks (64 rows on GPU, 8 here on CPU).
 
     On the GPU the float32 dots are exact (`exact_f32_dots`), so the bound is the CPU's: with tf32 the first SSE
     layer's output is 1.5e-3 from the torch path's, which moves the second layer's router logits enough to flip a
@@ -1079,10 +1102,17 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    loss, grads = train_step("auto" if device == "cuda" else "triton_indexed")
+    indexed = "auto" if device == "cuda" else "triton_indexed"
+    loss, grads = train_step(indexed)
     taken = sorted(set(used))
     loss_ref, grads_ref = train_step("chunk_torch_varlen")
     print(f"dispatched to {taken}, loss {loss.item():.6f} (indexed) vs {loss_ref.item():.6f} (torch)")
     assert taken == ["triton_indexed"], taken
     errors = {"loss": rel_err(loss, loss_ref), "grads": max(rel_err(a, b) for a, b in zip(grads, grads_ref))}
     assert max(errors.values()) < CHUNK_TOL["cpu"][F32], errors  # exact dots on both devices
+    # With gradient checkpointing the operator's saves (`kernels.saved_views`: views saved as their bases) are
+    # packed by checkpoint's hooks and made again in the backward: the same step.
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_ck, grads_ck = train_step(indexed)
+    assert rel_err(loss_ck, loss) < 1e-6 and max(rel_err(a, b) for a, b in zip(grads_ck, grads)) < 1e-6

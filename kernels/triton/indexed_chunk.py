@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import saved_views
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
@@ -416,15 +417,15 @@ class _IndexedChunk(torch.autograd.Function):
         o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
         if L:
             _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
-        ctx.save_for_backward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                              final, *kept, *tables[:6])
+        saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
+                         final, *kept, *tables[:6])
         ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer, strides)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h, keys, g,
-         keys_s, gs, *index) = ctx.saved_tensors
+         keys_s, gs, *index) = saved_views.saved(ctx)
         S, P, scale, row_topk, chunk_size, decay_normalizer, strides = ctx.rest
         sq, _, sv = strides
         row_token, cu, chunk_first, chunk_group, part, pos = index
