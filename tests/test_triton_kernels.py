@@ -374,7 +374,6 @@ def test_indexed_chunk_saves_each_allocation_once(device):
     """The operator saves each allocation once (`kernels.saved_views`): the routing tables (views of two), the keys
     and log-decays (views of one) and column blocks of one input tensor each cost a saved variable, and under
     gradient checkpointing Python hooks, otherwise. The gradients through those saves: the tests above."""
-    from kernels.triton import indexed_chunk
     H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
     T, N = 20, 4
     ins = random_inputs(1, T, H, c, dv, N, True, 1, F32, device)
@@ -386,7 +385,7 @@ def test_indexed_chunk_saves_each_allocation_once(device):
         packed.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o, _ = indexed_chunk.sse_triton_indexed(**ins, top_k=1, chunk_size=8)
+        o, _ = chunk_impl("triton_indexed", device)(**ins, top_k=1)
     storages = [t.untyped_storage().data_ptr() for t in packed]
     assert len(storages) == len(set(storages)), [tuple(t.shape) for t in packed]
     o.sum().backward()  # through the views rebuilt on qkv
