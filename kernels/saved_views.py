@@ -12,16 +12,19 @@ same version counter (a view shares its base's).
 
 def save(ctx, *tensors):
     """ctx.save_for_backward of `tensors` (tensors or None), each view as its base (`saved` rebuilds the views)."""
-    bases, layout = [], []
+    bases, index, layout = [], {}, []
     for t in tensors:
         if t is None:
             layout.append(None)
             continue
-        base = t if t._base is None else t._base
-        i = next((j for j, b in enumerate(bases) if b is base), len(bases))
-        if i == len(bases):
+        base = t._base
+        if base is None:
+            base = t
+        i = index.get(id(base))
+        if i is None:
+            i = index[id(base)] = len(bases)
             bases.append(base)
-        layout.append((i,) if base is t else (i, t.shape, t.stride(), t.storage_offset()))
+        layout.append(i if base is t else (i, t.shape, t.stride(), t.storage_offset()))
     ctx.save_for_backward(*bases)
     ctx.saved_layout = layout
 
@@ -29,5 +32,5 @@ def save(ctx, *tensors):
 def saved(ctx) -> list:
     """The tensors `save` saved, in order: views rebuilt on their saved bases (data only, as ctx.saved_tensors)."""
     bases = ctx.saved_tensors
-    return [None if entry is None else bases[entry[0]] if len(entry) == 1 else bases[entry[0]].as_strided(*entry[1:])
-            for entry in ctx.saved_layout]
+    return [None if entry is None else bases[entry] if isinstance(entry, int) else
+            bases[entry[0]].as_strided(*entry[1:]) for entry in ctx.saved_layout]
