@@ -372,7 +372,7 @@ def _chunk_grid(tables, H, V, launch):
 # bench/sse_indexed_launch.py on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier
 # all-default stages, the per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients
 # bit-identical). dq_dk_dg: half the key columns a program (twice the programs, each with half the accumulators
-# and the state tiles' reads, dA computed by both), 4 warps: the op's forward+backward 2.24 -> 2.12 ms at 8k and
+# and the state tiles' reads, dA computed by both), 4 warps: the op's forward+backward 2.24 -> 2.10 ms at 8k and
 # 10.09 -> 9.53 at 32k on an H200 (bench/results/sse_indexed_launch_20261129-2231_key_blocks.md; all 128 columns
 # a program ran 2.22-2.31 ms with 8 warps, 1.6-2.4x slower with 4).
 LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
