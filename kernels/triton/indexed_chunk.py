@@ -21,9 +21,9 @@ Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`
            (expand.py) sums a token's rows.
 - backward the states and row sources (kept from the forward up to `KEPT_BYTES`, made again above it), then
            `_chunk_sums` + `_scan` in reverse for the gradient
-           of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H] (one pass over the
-           value blocks for dA, dq, dk and the decay gradient): row gradients; `_expand_bwd_kernel` (expand.py)
-           reduces them to the token inputs.
+           of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H, key blocks] (one
+           pass over the value blocks for dA, dq, dk and the decay gradient of its key columns): row gradients;
+           `_expand_bwd_kernel` (expand.py) reduces them to the token inputs.
 The decay gradient uses dg_t = sum over u >= t of (q_u dq_u - k_u dk_u) within the chunk, plus
 sum_v(h_after * dh_after): everything after the chunk sees this chunk's decays only through h_after.
 """
