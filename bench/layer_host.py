@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from kernels import checkpoint_replay  # noqa: E402
 from train_step import SHAPE, fuse_norms  # noqa: E402
 
 
@@ -54,6 +55,8 @@ def fwd_bwd(fn, *inputs, checkpointing=None):
 
 
 CHECKPOINT = dict(use_reentrant=False)  # as bench/train_step.py's gradient checkpointing
+# ... of an SSE layer, which SSEModel checkpoints with the operator's replay (kernels/checkpoint_replay.py)
+SSE_CHECKPOINT = dict(CHECKPOINT, context_fn=checkpoint_replay.contexts)
 
 
 def layers(T: int, device: str = "cuda", shape: dict = SHAPE, sse_impl: str = "auto"):
@@ -96,7 +99,7 @@ def measure(T: int, calls: int, built) -> dict:
             "SSE operator forward + backward": lambda: sse_attention(q, k, v, g, router, **op)[0].sum().backward()}
     for checkpointed in (False, True):
         rows[f"SSE decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
-            lambda c=checkpointed: fwd_bwd(sse_fn, x, checkpointing=CHECKPOINT if c else None)
+            lambda c=checkpointed: fwd_bwd(sse_fn, x, checkpointing=SSE_CHECKPOINT if c else None)
         rows[f"Qwen3 decoder layer forward + backward, checkpointing {'on' if checkpointed else 'off'}"] = \
             lambda c=checkpointed: fwd_bwd(qwen_fn, x, checkpointing=CHECKPOINT if c else None)
     return {name: dict(zip(("host_us", "wall_us"), per_call_us(fn, calls))) for name, fn in rows.items()}
@@ -149,9 +152,9 @@ def host_profile(T: int, built, calls: int = 20) -> str:
     from torch.profiler import ProfilerActivity, profile
     _, sse_fn, _, qwen_fn, x = built
     text = []
-    for name, fn in (("SSE", sse_fn), ("Qwen3", qwen_fn)):
-        def step(fn=fn):
-            fwd_bwd(fn, x, checkpointing=CHECKPOINT)
+    for name, fn, checkpointing in (("SSE", sse_fn, SSE_CHECKPOINT), ("Qwen3", qwen_fn, CHECKPOINT)):
+        def step(fn=fn, checkpointing=checkpointing):
+            fwd_bwd(fn, x, checkpointing=checkpointing)
         for _ in range(3):
             step()
         torch.cuda.synchronize()

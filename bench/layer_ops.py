@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from layer_host import layers  # noqa: E402
+from layer_host import CHECKPOINT, SSE_CHECKPOINT, layers  # noqa: E402
 from train_step import SHAPE  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
@@ -98,7 +98,8 @@ def measure() -> dict:
                     elif part == "backward":
                         out.float().sum().backward()
                     else:
-                        checkpoint(fn, x, use_reentrant=False).float().sum().backward()
+                        checkpointing = SSE_CHECKPOINT if name == "SSE" else CHECKPOINT
+                        checkpoint(fn, x, **checkpointing).float().sum().backward()
                 rows[part] = dict(aten_ops=ops.count, launches=sum(launches.values()), by_kernel=dict(launches))
                 if part == "forward":  # each runs checkpoint's Python hooks three times a checkpointed step
                     rows[part]["saved_tensors"] = len(saved)

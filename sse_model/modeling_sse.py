@@ -4,6 +4,7 @@ Parameter names follow Qwen2/Qwen3 (`self_attn.q_proj`, `mlp.gate_proj`, ...) so
 copy, and the SSE layer lives under `linear_attn` as in transformers' and vLLM's other hybrids.
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 import kernels
-from kernels import kept_weights
+from kernels import checkpoint_replay, kept_weights
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 
@@ -654,9 +655,14 @@ class SSEModel(SSEPreTrainedModel):
                     past_key_values=past_key_values if past_len else None,
                     position_ids=position_ids if packable else None)
         router_logits = []
+        replay_kwargs = self._checkpoint_replay() if self.gradient_checkpointing and self.training else {}
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x, r = self._gradient_checkpointing_func(layer.__call__, x, **layer_kwargs)
+                # The layer's keyword arguments bound as transformers' layers bind them: reentrant checkpoint takes
+                # none of its own but `preserve_rng_state`.
+                call = functools.partial(layer.__call__, **layer_kwargs)
+                sse = layer.layer_type == SSE_LAYER
+                x, r = self._gradient_checkpointing_func(call, x, **(replay_kwargs if sse else {}))
             else:
                 x, r = layer(x, **layer_kwargs)
             if r is not None:
@@ -668,6 +674,15 @@ class SSEModel(SSEPreTrainedModel):
             aux, usage = balance_loss(torch.stack(router_logits), self.config.sse_top_k, layer_kwargs["token_mask"])
         return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
                               partition_usage=usage)
+
+    def _checkpoint_replay(self) -> dict:
+        """checkpoint's keyword arguments for an SSE layer: with non-reentrant checkpointing (transformers' default)
+        and no `context_fn` of the caller's, the one by which the recomputation takes the operator's tables and
+        output from the first forward instead of computing them again (`kernels.checkpoint_replay`)."""
+        keywords = getattr(self._gradient_checkpointing_func, "keywords", {})
+        if keywords.get("use_reentrant") is False and "context_fn" not in keywords:
+            return {"context_fn": checkpoint_replay.contexts}
+        return {}
 
 
 class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):

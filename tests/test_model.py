@@ -1,5 +1,6 @@
 """SSE-H on Hugging Face transformers (issue 2): config, registration, checkpoints, padding, packing, generation."""
 import contextlib
+import functools
 import json
 
 import pytest
@@ -488,18 +489,50 @@ def test_flash_attention_gets_packed_rows_through_position_ids(monkeypatch):
     assert cu_seqlens.tolist() == [0, 7, 8, 18]
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("name", ["sse_n4k2", "transformer"])
-def test_gradient_checkpointing_gives_the_same_gradients(name):
-    """With use_cache at its default (on), checkpointed layers must not write a cache twice on recompute."""
+def test_gradient_checkpointing_gives_the_same_gradients(name, reentrant):
+    """With use_cache at its default (on), checkpointed layers must not write a cache twice on recompute. Reentrant
+    checkpointing (which TRL forces for PEFT under DeepSpeed ZeRO-3) takes the layers' keyword arguments bound."""
     ids = torch.randint(1, 97, (2, 13))
     grads = []
     for checkpointing in (False, True):
         model = model_for(name).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert rel_err(grads[1], grads[0]) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, replays", [
+    ({"use_reentrant": False}, True),
+    ({"use_reentrant": True}, False),  # checkpoint takes no context_fn there
+    ({"use_reentrant": False, "context_fn": "caller's"}, False),  # e.g. selective checkpointing: not overridden
+], ids=["non-reentrant", "reentrant", "caller-context"])
+def test_checkpointed_sse_layers_replay_the_operator_where_checkpoint_allows(kwargs, replays):
+    """Under non-reentrant checkpointing the SSE layers' checkpoint gets `kernels.checkpoint_replay.contexts` (the
+    indexed operator's recomputation replays the first forward: tests/test_triton_kernels.py), the attention layers'
+    nothing; a reentrant or the caller's own context_fn keeps checkpoint as given. Each trains."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from kernels import checkpoint_replay
+    if kwargs.get("context_fn") == "caller's":
+        kwargs = dict(kwargs, context_fn=lambda: create_selective_checkpoint_contexts([]))
+    model = model_for("sse_n4k2").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    given = []
+    func = model.model._gradient_checkpointing_func  # a partial of checkpoint with the kwargs: recorded, same kwargs
+
+    def recorded(fn, *args, **kw):
+        given.append(kw["context_fn"] if kw.get("context_fn") is checkpoint_replay.contexts else None)
+        return func.func(fn, *args, **kw)
+    model.model._gradient_checkpointing_func = functools.partial(recorded, **func.keywords)
+    ids = torch.randint(1, 97, (2, 13))
+    model(input_ids=ids, labels=ids).loss.backward()
+    sse = [t == SSE_LAYER for t in model.config.layer_types]
+    assert given == [checkpoint_replay.contexts if replays and s else None for s in sse], given
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

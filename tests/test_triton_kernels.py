@@ -390,6 +390,56 @@ def test_indexed_chunk_saves_each_allocation_once(device):
     assert torch.isfinite(qkv.grad).all() and qkv.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "above-the-bound"])
+def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed, monkeypatch):
+    """Under checkpoint with `kernels.checkpoint_replay.contexts` the recomputation takes the first forward's routing
+    tables and output and runs no operator forward; the backward makes the states (one more forward `_chained`).
+    Output and gradients equal the plain call's bit for bit, on a varlen batch with initial states, also in a second
+    backward of the same graph. Above the bound (KEPT_BYTES) both forwards compute, as without the contexts."""
+    from torch.utils.checkpoint import checkpoint
+
+    from kernels import checkpoint_replay
+    from kernels.triton import indexed_chunk
+    if not replayed:
+        monkeypatch.setattr(checkpoint_replay, "KEPT_BYTES", -1)
+    calls = []
+    for name in ("index_tables", "_forward", "_chained"):
+        real = getattr(indexed_chunk, name)
+        monkeypatch.setattr(indexed_chunk, name, lambda *a, name=name, real=real, **k: calls.append(
+            (name, k["query"]) if name == "_chained" else name) or real(*a, **k))
+    H, c, dv, lengths = (SHAPES[device][n] for n in ("H", "c", "dv", "lengths"))
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+    T, N = int(cu[-1]), 4
+    ins = random_inputs(1, T, H, c, dv, N, True, len(lengths), F32, device)
+    names = list(ins)
+    op = chunk_impl("triton_indexed", device)
+
+    def layer(*xs):
+        return op(**dict(zip(names, xs)), top_k=1, cu_seqlens=cu)[0] * 1.5
+
+    def step(**checkpointed):
+        leaves = [t.detach().clone().requires_grad_() for t in ins.values()]
+        calls.clear()
+        o = checkpoint(layer, *leaves, **checkpointed) if checkpointed else layer(*leaves)
+        loss = o.pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = [t.grad.clone() for t in leaves]
+        forward_calls = list(calls)
+        for t in leaves:
+            t.grad = None
+        loss.backward()
+        assert all(torch.equal(a, t.grad) for a, t in zip(first, leaves)), "second backward"
+        return o.detach(), first, forward_calls
+    o, grads, plain_calls = step()
+    o_ck, grads_ck, ck_calls = step(use_reentrant=False, context_fn=checkpoint_replay.contexts)
+    assert plain_calls == ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
+    backward = [("_chained", False), ("_chained", True)] if replayed else \
+        ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
+    assert ck_calls == ["index_tables", "_forward", ("_chained", False)] + backward, ck_calls
+    assert torch.equal(o_ck, o)
+    assert all(torch.equal(a, b) for a, b in zip(grads_ck, grads)), [rel_err(a, b) for a, b in zip(grads_ck, grads)]
+
+
 @pytest.mark.parametrize("row_topk", [None, 4], ids=["dense", "row-sparse"])
 def test_indexed_chunk_takes_decay_logits(device, row_topk):
     """With `decay_normalizer` the indexed path takes decay logits x and applies log a = logsigmoid(x) / 16 in its
@@ -1108,8 +1158,14 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     errors = {"loss": rel_err(loss, loss_ref), "grads": max(rel_err(a, b) for a, b in zip(grads, grads_ref))}
     assert max(errors.values()) < CHUNK_TOL["cpu"][F32], errors  # exact dots on both devices
     # With gradient checkpointing the operator's saves (`kernels.saved_views`: views saved as their bases) are
-    # packed by checkpoint's hooks and made again in the backward: the same step.
+    # packed by checkpoint's hooks and made again in the backward, and the recomputation takes the first forward's
+    # routing tables and output (`kernels.checkpoint_replay`): the same step, routed once per SSE layer.
+    from kernels.triton import indexed_chunk
+    routed = []
+    real_tables = indexed_chunk.index_tables
+    monkeypatch.setattr(indexed_chunk, "index_tables", lambda *a: routed.append(1) or real_tables(*a))
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     loss_ck, grads_ck = train_step(indexed)
+    assert len(routed) == model.config.layer_types.count("linear_attention"), len(routed)
     assert rel_err(loss_ck, loss) < 1e-6 and max(rel_err(a, b) for a, b in zip(grads_ck, grads)) < 1e-6

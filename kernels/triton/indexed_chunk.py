@@ -19,7 +19,8 @@ Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
            activations' dtype (and the final state in float32); `_output` [NC, H, NV]: o rows; `collect`
            (expand.py) sums a token's rows.
-- backward the states and row sources (kept from the forward up to `KEPT_BYTES`, made again above it), then
+- backward the states and row sources (kept from the forward up to `KEPT_BYTES`, made again above it and in a
+           checkpointed call, whose recomputation replays the first forward: kernels/checkpoint_replay.py), then
            `_chunk_sums` + `_scan` in reverse for the gradient
            of the state after every chunk and dh0; `_dv` [NC, H, NV] and `_dq_dk_dg` [NC, H, key blocks] (one
            pass over the value blocks for dA, dq, dk and the decay gradient of its key columns): row gradients;
@@ -33,14 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import saved_views
+from kernels import checkpoint_replay, saved_views
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
 CHUNK = 64               # rows per chunk
-# The forward keeps for the backward what the backward would otherwise make again -- the per-chunk states and
-# `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
+# The forward keeps for the backward what the backward would otherwise make again -- the per-chunk and final states
+# and `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
 # makes them again. The states cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with one
 # routed partition + the shared one at 16 heads of 128 x 128), the keys, shared keys and log-decays 6 bytes per
 # token, head and key column (bf16): 137 + 101 MB at 8k tokens, kept; 0.54 + 0.40 GB at 32k, made again. Making
@@ -385,59 +386,44 @@ LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size, decay_normalizer, final_returned):
+                scale, row_topk, chunk_size, decay_normalizer, final_returned, replay):
         # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view costs
         # the host 2-5 us, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
         # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
-        # by ops of their own, are contiguous.
-        B, T, H, C = q.shape
-        L = B * T
+        # by ops of their own, are contiguous. `replay` (kernels.checkpoint_replay): None, or under checkpointing
+        # () in the first forward, which keeps nothing for the backward, and (o,) in the recomputation, which
+        # computes nothing and returns the first forward's o.
         (q, sq), (k_logits, sk), (v, sv) = (token_rows(t) for t in (q, k_logits, v))
         strides = (sq, sk, sv)
         log_decay, router_logits, q_shared, k_shared_logits = (
             None if t is None else t.contiguous() for t in (log_decay, router_logits, q_shared, k_shared_logits))
-        row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
-        V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
-        sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                               decay_normalizer, strides)
-        # The final state is read again only by the backward, for the last chunk's state term, where the other
-        # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
-        h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
-                            exact_last=final_returned)
-        o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
-        q_, keys, g, e, qs, keys_s, gs = sources
-        launch = _launch("output", C, V, N, chunk_size)
-        _output_kernel[_chunk_grid(tables, H, V, launch)](
-            row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
-            P, sq, sv, scale, **launch)
-        made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
-        keep = h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
-        kept = (h, keys, g, keys_s, gs) if keep else (None,) * 5
-        del sources, made, keys, g, keys_s, gs  # freed here unless kept
-        o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-        if L:
-            _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
+        if replay:
+            o, final, kept = replay[0].detach(), None, (None,) * 6
+        else:
+            o, final, kept = _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
+                                      initial_state, tables, scale, row_topk, chunk_size, decay_normalizer,
+                                      final_returned, strides, may_keep=replay is None)
         saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                         final, *kept, *tables[:6])
-        ctx.rest = (S, P, scale, row_topk, chunk_size, decay_normalizer, strides)
+                         *kept, *tables[:6])
+        ctx.rest = (*tables[6:], scale, row_topk, chunk_size, decay_normalizer, strides, final_returned)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, final, h, keys, g,
+        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, h, final, keys, g,
          keys_s, gs, *index) = saved_views.saved(ctx)
-        S, P, scale, row_topk, chunk_size, decay_normalizer, strides = ctx.rest
+        S, P, scale, row_topk, chunk_size, decay_normalizer, strides, final_returned = ctx.rest
         sq, _, sv = strides
         row_token, cu, chunk_first, chunk_group, part, pos = index
         tables = (*index, S, P)
         H, C = q.shape[-2:]
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.contiguous()
-        if h is None:  # not kept (KEPT_BYTES); the final state is not needed again, nor d h0 without h0
+        if h is None:  # not kept (KEPT_BYTES, or the first forward of a checkpointed call): made as the forward did
             sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
                                    decay_normalizer, strides)
-            h, _ = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
-                            exact_last=False)
+            h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
+                                exact_last=final_returned)
         else:
             sources = _sources(q, keys, g, router_logits, q_shared, keys_s, gs)
         dh, dh0 = _chained(sources, sq, do, H * V, dfinal, tables, scale, chunk_size, query=True,
@@ -458,7 +444,39 @@ class _IndexedChunk(torch.autograd.Function):
         grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
                              (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-        return (*grads, dh0, None, None, None, None, None, None)
+        return (*grads, dh0, None, None, None, None, None, None, None)
+
+
+def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables, scale,
+             row_topk, chunk_size, decay_normalizer, final_returned, strides, may_keep):
+    """`_IndexedChunk.forward`'s computation: (o [B, T, H, V], the final states, what the backward would otherwise
+    make again -- per-chunk states, final states, `_keys_kernel`'s keys and log-decays -- where `may_keep` and they
+    take at most KEPT_BYTES beyond the inputs, else Nones)."""
+    B, T, H, C = q.shape
+    L = B * T
+    sq, _, sv = strides
+    row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
+    V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
+    sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
+                           decay_normalizer, strides)
+    # The final state is read again only by the backward, for the last chunk's state term, where the other
+    # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
+    h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
+                        exact_last=final_returned)
+    o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
+    q_, keys, g, e, qs, keys_s, gs = sources
+    launch = _launch("output", C, V, N, chunk_size)
+    _output_kernel[_chunk_grid(tables, H, V, launch)](
+        row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
+        P, sq, sv, scale, **launch)
+    made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
+    keep = may_keep and h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
+    kept = (h, final, keys, g, keys_s, gs) if keep else (None,) * 6
+    del sources, made, h, keys, g, keys_s, gs  # freed here unless kept
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    if L:
+        _collect_fwd_kernel[(L,)](o_rows, pos, o, H, V, pos.shape[1], pow2(H), pow2(V))
+    return o, final, kept
 
 
 def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_last):
@@ -532,10 +550,19 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
                        decay_normalizer=None, chunk_size=CHUNK):
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
     logits (see there)."""
-    B, T, _, c = q.shape
+    B, T, H, c = q.shape
     scale = c**-0.5 if scale is None else scale
-    bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
-    tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
+    # Under the SSE model's gradient checkpointing the recomputation takes the first forward's tables and output
+    # (`checkpoint_replay`); a caller that wants the final state gets it computed.
+    slot = None if output_final_state else checkpoint_replay.slot(B * T * H * v.shape[-1] * v.element_size())
+    if slot is not None and slot.kept is not None:
+        tables, o = slot.kept
+    else:
+        bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
+        tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
+    replay = None if slot is None else (o,) if slot.kept is not None else ()
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state)
+                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replay)
+    if slot is not None and slot.kept is None:
+        slot.keep(tables, o.detach())
     return o, (final if output_final_state else None)
