@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
@@ -676,11 +677,15 @@ class SSEModel(SSEPreTrainedModel):
                               partition_usage=usage)
 
     def _checkpoint_replay(self) -> dict:
-        """checkpoint's keyword arguments for an SSE layer: with non-reentrant checkpointing (transformers' default)
-        and no `context_fn` of the caller's, the one by which the recomputation takes the operator's tables and
-        output from the first forward instead of computing them again (`kernels.checkpoint_replay`)."""
-        keywords = getattr(self._gradient_checkpointing_func, "keywords", {})
-        if keywords.get("use_reentrant") is False and "context_fn" not in keywords:
+        """checkpoint's keyword arguments for an SSE layer: with torch's non-reentrant checkpoint as
+        transformers sets it up by default and no `context_fn` of the caller's, the one by which the recomputation
+        takes the operator's tables and output from the first forward instead of computing them again
+        (`kernels.checkpoint_replay`). Not with transformers' `offload=True` (its own function around checkpoint),
+        which moves the saved activations off the GPU: the kept outputs would stay on it."""
+        func = self._gradient_checkpointing_func
+        keywords = getattr(func, "keywords", {})
+        if (getattr(func, "func", None) is torch.utils.checkpoint.checkpoint and keywords.get("use_reentrant") is False
+                and "context_fn" not in keywords):
             return {"context_fn": checkpoint_replay.contexts}
         return {}
 

@@ -1,13 +1,12 @@
 """SSE-H on Hugging Face transformers (issue 2): config, registration, checkpoints, padding, packing, generation."""
 import contextlib
-import functools
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._inductor.exc import InductorError
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -505,29 +504,37 @@ def test_gradient_checkpointing_gives_the_same_gradients(name, reentrant):
     assert rel_err(grads[1], grads[0]) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs, replays", [
-    ({"use_reentrant": False}, True),
-    ({"use_reentrant": True}, False),  # checkpoint takes no context_fn there
-    ({"use_reentrant": False, "context_fn": "caller's"}, False),  # e.g. selective checkpointing: not overridden
-], ids=["non-reentrant", "reentrant", "caller-context"])
-def test_checkpointed_sse_layers_replay_the_operator_where_checkpoint_allows(kwargs, replays):
-    """Under non-reentrant checkpointing the SSE layers' checkpoint gets `kernels.checkpoint_replay.contexts` (the
-    indexed operator's recomputation replays the first forward: tests/test_triton_kernels.py), the attention layers'
-    nothing; a reentrant or the caller's own context_fn keeps checkpoint as given. Each trains."""
+@pytest.mark.parametrize("kwargs, offload, replays", [
+    ({"use_reentrant": False}, False, True),
+    ({"use_reentrant": True}, False, False),  # checkpoint takes no context_fn there
+    ({"use_reentrant": False, "context_fn": "caller's"}, False, False),  # e.g. selective checkpointing: kept
+    ({"use_reentrant": False}, True, False),  # the kept outputs would stay on the GPU
+], ids=["non-reentrant", "reentrant", "caller-context", "offload"])
+def test_checkpointed_sse_layers_replay_the_operator_where_checkpoint_allows(kwargs, offload, replays, monkeypatch):
+    """Under transformers' non-reentrant checkpointing the SSE layers' checkpoint gets
+    `kernels.checkpoint_replay.contexts` (the indexed operator's recomputation replays the first forward:
+    tests/test_triton_kernels.py), the attention layers' nothing; a reentrant checkpoint, the caller's own
+    context_fn or transformers' offloading keeps checkpoint as given. Each trains (offloading needs pinned memory)."""
+    from torch.utils import checkpoint as torch_checkpoint
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     from kernels import checkpoint_replay
     if kwargs.get("context_fn") == "caller's":
         kwargs = dict(kwargs, context_fn=lambda: create_selective_checkpoint_contexts([]))
-    model = model_for("sse_n4k2").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     given = []
-    func = model.model._gradient_checkpointing_func  # a partial of checkpoint with the kwargs: recorded, same kwargs
+    real = torch_checkpoint.checkpoint
 
     def recorded(fn, *args, **kw):
         given.append(kw["context_fn"] if kw.get("context_fn") is checkpoint_replay.contexts else None)
-        return func.func(fn, *args, **kw)
-    model.model._gradient_checkpointing_func = functools.partial(recorded, **func.keywords)
+        return real(fn, *args, **kw)
+    # transformers calls checkpoint through the name it imported; the model compares with torch's
+    monkeypatch.setattr(modeling_utils, "checkpoint", recorded)
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", recorded)
+    model = model_for("sse_n4k2").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, offload=offload)
+    if offload:  # its pinned host memory needs an accelerator to run
+        assert model.model._checkpoint_replay() == {}
+        return
     ids = torch.randint(1, 97, (2, 13))
     model(input_ids=ids, labels=ids).loss.backward()
     sse = [t == SSE_LAYER for t in model.config.layer_types]
