@@ -5,9 +5,11 @@ tensors the first forward saved and dropped. For the indexed SSE operator that s
 one had already made -- the routing tables (three launches) and the output (`_output_kernel`, the largest kernel of
 its forward, and the collect) -- and the chunk states, which its backward can make itself (as it does above
 `KEPT_BYTES` of indexed_chunk.py). Passed as checkpoint's `context_fn` (`contexts`; the SSE model does so under
-non-reentrant checkpointing), the first forward keeps each operator call's routing tables and output, and the
-second gets them back and only saves its inputs for the backward; the backward makes the states. Per SSE layer
-and checkpointed step: five launches fewer and the output kernel once instead of twice.
+torch's non-reentrant checkpoint, `SSEModel._checkpoint_replay`), the first forward keeps each operator call's
+routing tables and output, and the second gets them back and only saves its inputs for the backward; the backward
+makes the states. Per SSE layer and checkpointed step: five launches fewer and the output kernel once instead of
+twice; the checkpointed 8k step of bench/train_step.py 1.00-1.02x Qwen3's against 0.97-0.99x before (H200,
+kernels/NOTES.md), for ~165 MiB kept across its five SSE layers.
 
 Kept from the first forward to the layer's backward: the output and the tables, up to `KEPT_BYTES` a call (the
 output is T x heads x d_v values: 32 MiB at 8k tokens of width 2048 in bf16, 128 MiB at 32k, where memory counts
