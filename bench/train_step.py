@@ -9,6 +9,7 @@ every layer attention and against transformers' Qwen3 of the same shape, bf16, o
     python bench/train_step.py --lengths 8192 --steps 20 --interleave      # the models' steps in turn
     python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
     python bench/train_step.py --split --checkpointing --lengths 8192     # ... of the checkpointed step
+    python bench/train_step.py --compile --interleave --models SSE-H Qwen3     # every model under torch.compile
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer (`--models SSE-H-param-matched`: SSE-H with MLP 4928, no more parameters than Qwen3's). Rows
@@ -57,6 +58,8 @@ def models():
         # flash_attention_2 (varlen) would be the fastest packed path, but the GPU node has no flash-attn.
         "Qwen3-flex": lambda: qwen3("flex_attention"),
         "Qwen3-fused-norm": lambda: qwen3("sdpa", fused_norm=True),
+        # the packed rows' baseline with the same RMSNorm kernel as SSE-H (flex attention skips masked blocks)
+        "Qwen3-flex-fused-norm": lambda: qwen3("flex_attention", fused_norm=True),
     }
 
 
@@ -76,6 +79,16 @@ def fuse_norms(module):
     import kernels
     for norm in [m for m in module.modules() if type(m).__name__ == "Qwen3RMSNorm"]:
         norm.forward = lambda x, norm=norm: kernels.rms_norm(x, norm.weight, eps=norm.variance_epsilon)
+
+
+def compiled(build):
+    """`build` whose model runs under torch.compile (inductor's defaults), as TRL's `torch_compile` runs it; its
+    first step compiles it. SSE-H's SSE layers run eagerly inside it (`SSELayer.forward`)."""
+    def build_compiled():
+        model = build()
+        model.compile()
+        return model
+    return build_compiled
 
 
 def on_gpu(build):
@@ -165,7 +178,7 @@ def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count:
 
 def paired(out: dict) -> dict:
     """`out` with "paired": SSE-H's tokens/s over the fastest Qwen3's, round by round (where both have rounds)."""
-    qwen = [name for name in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm") if out.get(name)]
+    qwen = [name for name in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm", "Qwen3-flex-fused-norm") if out.get(name)]
     if out.get("SSE-H") and qwen:
         out["paired"] = [round(sse / max(out[name]["rounds"][i] for name in qwen), 3)
                          for i, sse in enumerate(out["SSE-H"]["rounds"])]
@@ -333,10 +346,17 @@ def main(argv=None):
                         "prints the one timing of --lengths, --packed, --checkpointing as a JSON line")
     p.add_argument("--checkpointing", action="store_true",
                    help="with --split: the checkpointed step (the table times checkpointing off and on anyway)")
+    p.add_argument("--compile", action="store_true", help="every model under torch.compile (`compiled`)")
     p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.interleave and (args.alone or args.rounds > 1):
         p.error("--interleave times steps in turn; it takes neither --alone nor --rounds")
+    if args.compile and args.alone:
+        p.error("--compile runs in this process; it takes no --alone")
+    if args.compile:
+        # every model, length and layout is a new compiled model of the same code: dynamo's default of 8 recompiles
+        # would leave the later ones eager
+        torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
     if isinstance(args.alone, str):
         try:
             result = measure(models()[args.alone], args.lengths[0], args.packed, args.checkpointing, args.steps)
@@ -344,7 +364,8 @@ def main(argv=None):
             result = None
         print(json.dumps(result))
         return
-    builds = {name: build for name, build in models().items() if name in args.models}
+    builds = {name: compiled(build) if args.compile else build for name, build in models().items()
+              if name in args.models}
     if args.profile or args.split:
         now = datetime.now(timezone.utc)
         what = "profile" if args.profile else "split"
@@ -367,9 +388,9 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
     now = datetime.now(timezone.utc)
     report = dict(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-                  torch=torch.__version__, shape=SHAPE, rows=rows)
+                  torch=torch.__version__, compiled=args.compile, shape=SHAPE, rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"train_step_{now:%Y%m%d-%H%M}"
+    stem = args.out / f"train_step_{'compiled_' * args.compile}{now:%Y%m%d-%H%M}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     names = list(builds)
 
@@ -380,7 +401,8 @@ def main(argv=None):
     timing = (f"the median of {args.steps} steps, the models' steps in turn (all on the GPU at once)" if args.interleave
               else f"the median of {args.rounds} round(s) of {args.steps} steps, the models timed in turn"
                    f"{', each timing in a process of its own' if args.alone else ''}")
-    lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16", "",
+    lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16"
+             f"{', every model under torch.compile' * args.compile}", "",
              f"tokens/s{'' if args.interleave else ' (peak GiB)'}, {timing}; SSE-H / fastest Qwen3: the median of "
              "the rounds' ratios (their range); SSE-H host / step: the host's time to queue SSE-H's step over the "
              "step's time (near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",

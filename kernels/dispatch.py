@@ -168,9 +168,12 @@ def rms_norm(x, weight, *, eps, impl="auto"):
 
 
 def _triton_or_torch(implementations: dict, impl: str, device: torch.device, what: str):
-    """The implementation `impl` names; "auto" is the Triton kernel on CUDA, the torch twin elsewhere."""
+    """The implementation `impl` names; "auto" is the Triton kernel on CUDA, the torch twin elsewhere and under
+    torch.compile, where inductor makes its own kernel of the twin's ops, fused with those around it, and the
+    compiled graph holds none of our autograd Functions."""
     if impl == "auto":
-        impl = "triton" if device.type == "cuda" and _installed("triton") else "torch"
+        triton = device.type == "cuda" and _installed("triton") and not torch.compiler.is_compiling()
+        impl = "triton" if triton else "torch"
     if impl not in implementations:
         raise ValueError(f"unknown {what} implementation {impl!r}; known: {sorted(implementations)}")
     return implementations[impl]

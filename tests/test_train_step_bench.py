@@ -109,6 +109,13 @@ def test_interleave_takes_neither_alone_nor_rounds():
             train_step.main(["--interleave", *flags])
 
 
+def test_compile_builds_models_that_compile_on_their_first_call():
+    model = train_step.compiled(lambda: torch.nn.Linear(2, 2))()
+    assert isinstance(model, torch.nn.Linear) and model._compiled_call_impl is not None
+    with pytest.raises(SystemExit):
+        train_step.main(["--compile", "--alone"])
+
+
 def test_split_times_the_step_asked_for(monkeypatch):
     """`split` with checkpointing measures and prepares the checkpointed step (its table says which), and lists the
     GPU-bound forward and backward, the idle time and the host's queueing per model."""
