@@ -16,10 +16,11 @@ one attention layer (`--models SSE-H-param-matched`: SSE-H with MLP 4928, no mor
 of T tokens, batch 1: "unpacked" is one sequence, "packed" is 8 sequences of T / 8
 (position ids restarting, as TRL's padding-free collator makes them). Gradient checkpointing off and on.
 Attention runs through transformers' `sdpa` in all three models (SSE-H's attention layer attends per sequence in
-packed rows; Qwen3 gets a document mask), and Qwen3 also through `flex_attention` (a block mask: the fair packed
-baseline where flash-attn is not installed). `Qwen3-fused-norm` is Qwen3 (sdpa) with SSE-H's RMSNorm kernel
+packed rows; Qwen3 gets a document mask), and Qwen3 also through `flex_attention` (a block mask: the packed path
+where flash-attn is not installed). `Qwen3-fused-norm` is Qwen3 (sdpa) with SSE-H's RMSNorm kernel
 (`kernels.rms_norm`) in place of transformers' eager Qwen3RMSNorm, so that SSE-H is also measured against a
-Transformer that differs from it only in its layers' token mixing. Reported: tokens/s (median of timed steps after
+Transformer that differs from it only in its layers' token mixing; `Qwen3-flex-fused-norm` is the same with flex
+attention, the fair baseline on packed rows. Reported: tokens/s (median of timed steps after
 one warm-up), peak memory, and SSE-H against the fastest Qwen3 run.
 """
 import argparse
@@ -336,7 +337,8 @@ def main(argv=None):
                    help="every model on the GPU at once, their --steps steps alternating (`interleaved`; no peak "
                         "memory)")
     p.add_argument("--models", nargs="+", choices=list(models()),
-                   default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm"],
+                   default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm",
+                            "Qwen3-flex-fused-norm"],
                    help="an A/B of two trees may time SSE-H alone")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
