@@ -450,9 +450,10 @@ class SSELayer(nn.Module):
             return self.o_proj(y.reshape(B, T, -1))
 
     # Under torch.compile the layer runs eagerly, a graph break in the compiled model: its autograd nodes keep
-    # weights by reference, tensors through saved-tensor hooks and the checkpoint replay, and launch Triton kernels,
-    # none of which dynamo and inductor can take (traced, an SSE-H training step ended in an illegal memory access
-    # on an H200). The compiled graph takes the rest: norms, MLPs, attention layers, the loss.
+    # weights by reference and tensors through saved-tensor hooks and the checkpoint replay, and launch Triton
+    # kernels; traced, an SSE-H training step ended in an illegal memory access on an H200
+    # (bench/results/torch_compile_gpu_20261130.md). The compiled graph takes the rest: norms, MLPs, attention
+    # layers, the loss.
     @torch.compiler.disable
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None):
         recipes = []
