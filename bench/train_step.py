@@ -179,7 +179,7 @@ def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count:
 
 def paired(out: dict) -> dict:
     """`out` with "paired": SSE-H's tokens/s over the fastest Qwen3's, round by round (where both have rounds)."""
-    qwen = [name for name in ("Qwen3", "Qwen3-flex", "Qwen3-fused-norm", "Qwen3-flex-fused-norm") if out.get(name)]
+    qwen = [name for name, result in out.items() if name.startswith("Qwen3") and result]
     if out.get("SSE-H") and qwen:
         out["paired"] = [round(sse / max(out[name]["rounds"][i] for name in qwen), 3)
                          for i, sse in enumerate(out["SSE-H"]["rounds"])]
