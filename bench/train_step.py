@@ -20,10 +20,13 @@ packed rows; Qwen3 gets a document mask), and Qwen3 also through `flex_attention
 where flash-attn is not installed). `Qwen3-fused-norm` is Qwen3 (sdpa) with SSE-H's RMSNorm kernel
 (`kernels.rms_norm`) in place of transformers' eager Qwen3RMSNorm, so that SSE-H is also measured against a
 Transformer that differs from it only in its layers' token mixing; `Qwen3-flex-fused-norm` is the same with flex
-attention, the fair baseline on packed rows. Reported: tokens/s (median of timed steps after
-one warm-up), peak memory, and SSE-H against the fastest Qwen3 run.
+attention, the fair baseline on packed rows. `free-mixing-bound` and `-flex` (`--models`) are these two with the
+token mixing of their first five layers free: the bound on any hybrid of SSE-H's layout (`free_mixing`). Reported:
+tokens/s (median of timed steps after one warm-up), peak memory, and SSE-H (and the bound) against the fastest
+Qwen3 run.
 """
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -61,6 +64,10 @@ def models():
         "Qwen3-fused-norm": lambda: qwen3("sdpa", fused_norm=True),
         # the packed rows' baseline with the same RMSNorm kernel as SSE-H (flex attention skips masked blocks)
         "Qwen3-flex-fused-norm": lambda: qwen3("flex_attention", fused_norm=True),
+        # not models to train: the bound on what any token mixer in SSE-H's place could gain (`free_mixing`), with
+        # either attention for the last layer (sdpa is the faster on unpacked rows, flex on packed ones)
+        "free-mixing-bound": lambda: free_mixing(qwen3("sdpa", fused_norm=True), layers=range(5)),
+        "free-mixing-bound-flex": lambda: free_mixing(qwen3("flex_attention", fused_norm=True), layers=range(5)),
     }
 
 
@@ -80,6 +87,40 @@ def fuse_norms(module):
     import kernels
     for norm in [m for m in module.modules() if type(m).__name__ == "Qwen3RMSNorm"]:
         norm.forward = lambda x, norm=norm: kernels.rms_norm(x, norm.weight, eps=norm.variance_epsilon)
+
+
+class FreeMixer(torch.autograd.Function):
+    """A token mixer of no cost: returns the values and gives the queries and keys zero gradients, so that the
+    projections before it take their full backward as they do before a real mixer."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        ctx.shapes = query.shape, key.shape
+        return value.transpose(1, 2)  # [B, T, heads, head_dim], as attention returns it
+
+    @staticmethod
+    def backward(ctx, grad):
+        (q_shape, k_shape), options = ctx.shapes, dict(dtype=grad.dtype, device=grad.device)
+        return torch.zeros(q_shape, **options), torch.zeros(k_shape, **options), grad.transpose(1, 2)
+
+
+def free_mixing(model, layers):
+    """`model` (a Qwen3) whose attention in `layers` is a `FreeMixer`: those layers mix no tokens and cost only
+    their projections, norms and rotary embedding. With SSE-H's layout (five such layers, then attention) it is
+    the fastest step any hybrid of this shape could take with Qwen3's projections and a token mixer of no cost;
+    SSE-H's own layers have more projections (output gate, low rank, router), so it bounds SSE-H from above."""
+    from transformers import AttentionInterface
+
+    def free(module, query, key, value, attention_mask, **kwargs):
+        assert module.num_key_value_groups == 1, "FreeMixer returns one head per key-value head"
+        return FreeMixer.apply(query, key, value), None
+
+    AttentionInterface.register("free_mixing", free)
+    for i in layers:
+        attention = model.model.layers[i].self_attn
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation = "free_mixing"
+    return model
 
 
 def compiled(build):
@@ -178,11 +219,17 @@ def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count:
 
 
 def paired(out: dict) -> dict:
-    """`out` with "paired": SSE-H's tokens/s over the fastest Qwen3's, round by round (where both have rounds)."""
-    qwen = [name for name, result in out.items() if name.startswith("Qwen3") and result]
-    if out.get("SSE-H") and qwen:
-        out["paired"] = [round(sse / max(out[name]["rounds"][i] for name in qwen), 3)
-                         for i, sse in enumerate(out["SSE-H"]["rounds"])]
+    """`out` with "paired": SSE-H's tokens/s over the fastest Qwen3's, round by round (where both have rounds), and
+    "bound": the same for the faster `free_mixing` bound, where one ran."""
+    def over_qwen(names):
+        qwen = [name for name, result in out.items() if name.startswith("Qwen3") and result]
+        if qwen and all(out.get(name) for name in names):
+            return [round(max(out[name]["rounds"][i] for name in names) / max(out[q]["rounds"][i] for q in qwen), 3)
+                    for i in range(len(out[names[0]]["rounds"]))]
+    bounds = [name for name in out if name.startswith("free-mixing-bound")]
+    for key, names in (("paired", ["SSE-H"]), ("bound", bounds)):
+        if names and (ratios := over_qwen(names)):
+            out[key] = ratios
     return out
 
 
@@ -400,25 +447,31 @@ def main(argv=None):
         if r is None:
             return "OOM"
         return f"{r['tokens_per_s'] / 1e3:.1f}k" + ("" if r["peak_gib"] is None else f" ({r['peak_gib']:.1f})")
+    def spread(ratios):
+        if not ratios:
+            return ""
+        median = f"{statistics.median(ratios):.2f}"
+        return median + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
     timing = (f"the median of {args.steps} steps, the models' steps in turn (all on the GPU at once)" if args.interleave
               else f"the median of {args.rounds} round(s) of {args.steps} steps, the models timed in turn"
                    f"{', each timing in a process of its own' if args.alone else ''}")
+    bound = any("bound" in r for r in rows)
     lines = [f"# Training step, {report['device']}, {report['date']}, torch {torch.__version__}, bf16"
              f"{', every model under torch.compile' * args.compile}", "",
              f"tokens/s{'' if args.interleave else ' (peak GiB)'}, {timing}; SSE-H / fastest Qwen3: the median of "
-             "the rounds' ratios (their range); SSE-H host / step: the host's time to queue SSE-H's step over the "
-             "step's time (near 1: the host, not the GPU, set the pace; kernels/NOTES.md)",
-             "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | SSE-H host / step |",
-             "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |"]
+             "the rounds' ratios (their range)"
+             + ("; bound / fastest Qwen3: the same for the faster free-mixing bound" if bound else "")
+             + "; SSE-H host / step: the host's time to queue SSE-H's step over the step's time (near 1: the host, "
+             "not the GPU, set the pace; kernels/NOTES.md)",
+             "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | "
+             + "bound / fastest Qwen3 | " * bound + "SSE-H host / step |",
+             "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |" + " ---: |" * bound + " ---: |"]
     for r in rows:
-        ratios = r.get("paired", [])
-        ratio = f"{statistics.median(ratios):.2f}" if ratios else ""
-        if len(ratios) > 1:
-            ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         sse = r.get("SSE-H")
         host = f"{statistics.median(sse['host_ms']) / statistics.median(sse['step_ms']):.2f}" if sse else ""
         lines.append(f"| {r['T']} | {'yes' if r['packed'] else 'no'} | {'on' if r['checkpointing'] else 'off'} | "
-                     + " | ".join(cell(r[n]) for n in names) + f" | {ratio} | {host} |")
+                     + " | ".join(cell(r[n]) for n in names) + f" | {spread(r.get('paired'))} | "
+                     + f"{spread(r.get('bound'))} | " * bound + f"{host} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

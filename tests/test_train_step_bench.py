@@ -144,3 +144,45 @@ def test_split_times_the_step_asked_for(monkeypatch):
     assert asked == [("measure", False, True), ("prepared", False, True)]
     assert lines[0] == "## T = 8192, unpacked, checkpointing on"
     assert "| SSE-H | 62.00 | 60.00 (20.00 + 40.00) | 2.00 | 5.00 / 10.00 |" in lines
+
+
+def test_free_mixing_layers_mix_no_tokens_and_train_every_projection(monkeypatch):
+    """The bound's free layers: a token's output depends on that token alone (the attention layer after them mixes),
+    and every parameter gets a gradient, the queries' and keys' projections zero ones (their backward still runs)."""
+    monkeypatch.setitem(train_step.SHAPE, "hidden_size", 64)
+    monkeypatch.setitem(train_step.SHAPE, "intermediate_size", 96)
+    monkeypatch.setitem(train_step.SHAPE, "num_attention_heads", 2)
+    monkeypatch.setitem(train_step.SHAPE, "num_key_value_heads", 2)
+    monkeypatch.setitem(train_step.SHAPE, "head_dim", 32)
+    monkeypatch.setitem(train_step.SHAPE, "vocab_size", 100)
+    torch.manual_seed(0)
+    model = train_step.free_mixing(train_step.qwen3("sdpa"), layers=range(5))
+    ids = torch.randint(0, 100, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    free, mixing = model.model.layers[0].self_attn, model.model.layers[5].self_attn
+    assert free.q_proj.weight.grad.abs().max() == 0 and free.v_proj.weight.grad.abs().max() > 0
+    assert mixing.q_proj.weight.grad.abs().max() > 0
+
+    outputs = {}
+    for i in (0, 5):
+        model.model.layers[i].register_forward_hook(lambda m, args, out, i=i: outputs.__setitem__(i, out))
+    changed = ids.clone()
+    changed[0, 10] = (ids[0, 10] + 1) % 100
+    with torch.no_grad():
+        model(input_ids=ids)
+        before = dict(outputs)
+        model(input_ids=changed)
+    moved = {i: (before[i] - outputs[i]).abs().amax(-1)[0].nonzero().flatten().tolist() for i in (0, 5)}
+    assert moved[0] == [10] and moved[5] == list(range(10, 32))
+
+
+def test_paired_gives_sse_and_the_faster_bound_over_the_fastest_qwen3_round_by_round():
+    def run(*rounds):
+        return dict(rounds=list(rounds))
+    out = train_step.paired({"SSE-H": run(90, 120), "free-mixing-bound": run(150, 100),
+                             "free-mixing-bound-flex": run(120, 160), "Qwen3-fused-norm": run(100, 80),
+                             "Qwen3-flex-fused-norm": run(75, 100)})
+    assert out["paired"] == [0.9, 1.2] and out["bound"] == [1.5, 1.6]
+    out = train_step.paired({"SSE-H": run(90), "free-mixing-bound": None, "Qwen3": run(100)})
+    assert out["paired"] == [0.9] and "bound" not in out  # a bound that ran out of memory bounds nothing
