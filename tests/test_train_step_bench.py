@@ -149,12 +149,10 @@ def test_split_times_the_step_asked_for(monkeypatch):
 def test_free_mixing_layers_mix_no_tokens_and_train_every_projection(monkeypatch):
     """The bound's free layers: a token's output depends on that token alone (the attention layer after them mixes),
     and every parameter gets a gradient, the queries' and keys' projections zero ones (their backward still runs)."""
-    monkeypatch.setitem(train_step.SHAPE, "hidden_size", 64)
-    monkeypatch.setitem(train_step.SHAPE, "intermediate_size", 96)
-    monkeypatch.setitem(train_step.SHAPE, "num_attention_heads", 2)
-    monkeypatch.setitem(train_step.SHAPE, "num_key_value_heads", 2)
-    monkeypatch.setitem(train_step.SHAPE, "head_dim", 32)
-    monkeypatch.setitem(train_step.SHAPE, "vocab_size", 100)
+    tiny = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                vocab_size=100)
+    for key, value in tiny.items():
+        monkeypatch.setitem(train_step.SHAPE, key, value)
     torch.manual_seed(0)
     model = train_step.free_mixing(train_step.qwen3("sdpa"), layers=range(5))
     ids = torch.randint(0, 100, (1, 32))
