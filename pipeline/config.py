@@ -12,7 +12,6 @@ through to TRL as it is. TRL is the reference for those; a few it would take fro
 `resolve(cfg)` gives the plain dict saved as a run's resolved config; `config_from_dict(resolve(cfg)) == cfg`.
 """
 import dataclasses
-import difflib
 import enum
 import functools
 import re
@@ -26,6 +25,7 @@ import yaml
 
 from tasks import retrieval
 from tasks.sources import BENCHMARKS, DataSource, GeneratorSettings, describe
+from tasks.sources import did_you_mean as _did_you_mean
 
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
 STAGES = typing.get_args(Stage)  # in the order they run
@@ -642,13 +642,6 @@ def _prefixes(key: str):
     while key:
         yield key
         key = key[:max(key.rfind("."), key.rfind("["), 0)]
-
-
-def _did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean {close[0]!r}?)"
-    return f" (valid: {', '.join(choices)})" if show_all else ""
 
 
 def _type_name(tp) -> str:
