@@ -44,13 +44,15 @@ def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
     change keys of stages not finished yet."""
     from pipeline.config import ConfigError, load_config
     from pipeline.console import Console
-    from pipeline.orchestrator import StageFailed, run_pipeline
+    from pipeline.orchestrator import StageFailed, config_changes, run_pipeline
     from pipeline.preflight import preflight
     from pipeline.rundir import RunDir, RunLocked
 
     try:
         cfg = load_config(config, overrides)
-        preflight(cfg, str(config), RunDir(run_dir or cfg.run_dir).finished())
+        existing = RunDir(run_dir or cfg.run_dir)
+        config_changes(cfg, existing, amend=run_dir is not None)  # again under the run's lock, when it starts
+        preflight(cfg, str(config), existing.finished())
         run_pipeline(cfg, run_dir, Console.of_stdout(verbose), amend=run_dir is not None)
     except (ConfigError, StageFailed, RunLocked) as err:
         print(f"{prog}: {err}", file=sys.stderr)

@@ -151,18 +151,9 @@ def prepare_run_dir(cfg: Config, run_path: Path, amend: bool = False) -> RunDir:
     run_dir.create()
     run_dir.lock()
     try:
-        changes = {}
-        if run_dir.config_path.exists():
-            from pipeline.config import load_config
-
-            changes = dict(sorted(_changes(resolve(load_config(run_dir.config_path)), resolve(cfg))))
-            if changes and not amend:
-                raise StageFailed(f"{run_path} was started with another config (differs at {', '.join(changes)}); "
-                                  f"use `sse-rl resume {run_path}` to continue it (`--set KEY=VALUE` changes a stage "
-                                  "not finished yet), or another name for a new run")
-            _refuse_changes_to_finished_stages(changes, run_dir)
-            if changes:
-                run_dir.record_config_change(changes)
+        changes = config_changes(cfg, run_dir, amend)
+        if changes:
+            run_dir.record_config_change(changes)
         if changes or not run_dir.config_path.exists():
             staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
             save_config(cfg, staging)
@@ -171,6 +162,22 @@ def prepare_run_dir(cfg: Config, run_path: Path, amend: bool = False) -> RunDir:
         run_dir.unlock()
         raise
     return run_dir
+
+
+def config_changes(cfg: Config, run_dir: RunDir, amend: bool) -> dict[str, tuple]:
+    """{dotted key: (old value, new value)} where `cfg` differs from the run's saved config; raises StageFailed for
+    any change without `amend`, and for a change to a finished stage's key with it."""
+    if not run_dir.config_path.exists():
+        return {}
+    from pipeline.config import load_config
+
+    changes = dict(sorted(_changes(resolve(load_config(run_dir.config_path)), resolve(cfg))))
+    if changes and not amend:
+        raise StageFailed(f"{run_dir.path} was started with another config (differs at {', '.join(changes)}); use "
+                          f"`sse-rl resume {run_dir.path}` to continue it (`--set KEY=VALUE` changes a stage not "
+                          "finished yet), or another name for a new run")
+    _refuse_changes_to_finished_stages(changes, run_dir)
+    return changes
 
 
 def _changes(a, b, prefix=""):
