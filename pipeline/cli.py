@@ -1,7 +1,7 @@
 """`sse-rl`: the one command line of the project.
 
     sse-rl run CONFIG [--set key=value ...]   run the stages a config lists (init/convert, sft, grpo, eval)
-    sse-rl resume RUN_DIR                      continue a run from its last complete checkpoint
+    sse-rl resume RUN_DIR [--set key=value]    continue a run from its last complete checkpoint
     sse-rl eval --model CKPT ...               avg@k evaluation through vLLM
     sse-rl convert --from SRC --to DST ...     turn a pretrained Transformer into SSE-H
 """
@@ -27,23 +27,33 @@ def resume_main(argv) -> int:
     parser = argparse.ArgumentParser(prog="sse-rl resume", description="Continue a run directory: finished "
                                      "stages are skipped, the unfinished one continues from its last checkpoint.")
     parser.add_argument("run_dir", help="runs/<name>")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="correct a key of a stage not finished yet, e.g. --set data.grpo.source=data/grpo.jsonl "
+                        "(repeatable); the manifest records the change")
     parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
     config = Path(args.run_dir) / "config.yaml"
     if not config.exists():
         print(f"sse-rl resume: {config} not found: not a run directory", file=sys.stderr)
         return 1
-    return _run("sse-rl resume", config, [], Path(args.run_dir), args.verbose)
+    return _run("sse-rl resume", config, args.overrides, Path(args.run_dir), args.verbose)
 
 
 def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
+    """Validate the config and what it names (pipeline/preflight.py), then run; a resume (`run_dir` given) may
+    change keys of stages not finished yet."""
     from pipeline.config import ConfigError, load_config
     from pipeline.console import Console
-    from pipeline.orchestrator import StageFailed, run_pipeline
-    from pipeline.rundir import RunLocked
+    from pipeline.orchestrator import StageFailed, config_changes, run_pipeline
+    from pipeline.preflight import preflight
+    from pipeline.rundir import RunDir, RunLocked
 
     try:
-        run_pipeline(load_config(config, overrides), run_dir, Console.of_stdout(verbose))
+        cfg = load_config(config, overrides)
+        existing = RunDir(run_dir or cfg.run_dir)
+        config_changes(cfg, existing, amend=run_dir is not None)  # again under the run's lock, when it starts
+        preflight(cfg, str(config), existing.finished())
+        run_pipeline(cfg, run_dir, Console.of_stdout(verbose), amend=run_dir is not None)
     except (ConfigError, StageFailed, RunLocked) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 1

@@ -12,9 +12,9 @@ through to TRL as it is. TRL is the reference for those; a few it would take fro
 `resolve(cfg)` gives the plain dict saved as a run's resolved config; `config_from_dict(resolve(cfg)) == cfg`.
 """
 import dataclasses
-import difflib
 import enum
 import functools
+import importlib.util
 import re
 import types
 import typing
@@ -26,6 +26,7 @@ import yaml
 
 from tasks import retrieval
 from tasks.sources import BENCHMARKS, DataSource, GeneratorSettings, describe
+from tasks.sources import did_you_mean as _did_you_mean
 
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
 STAGES = typing.get_args(Stage)  # in the order they run
@@ -90,6 +91,9 @@ class DataSettings:
 
 
 LRScheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
+# Trackers a stage reports to beside the run's metrics.jsonl (TrainingArguments.report_to), and the package each needs.
+Tracker = Literal["tensorboard", "wandb"]
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
 
 # TRL settings the pipeline sets itself, and from what; a config that sets one is refused (TRL would take the
 # config's value or the pipeline's silently, and either way one of them would be ignored).
@@ -99,7 +103,6 @@ SET_BY_PIPELINE = {
     "data_seed": "the top-level seed",
     "bf16": "model.dtype",
     "use_cpu": "whether the stage's workers have a GPU",
-    "report_to": "metrics go to the run's metrics.jsonl",
     "save_strategy": "a checkpoint every save_steps",
     "save_only_model": "checkpoints keep optimizer, scheduler and RNG state, for exact resumes",
     "dataloader_num_workers": "0: the data position is part of the checkpoint, for exact resumes",
@@ -138,6 +141,7 @@ class SFTSettings:
     warmup_ratio: float = 0.0  # fraction of steps; transformers 5 takes it as TrainingArguments.warmup_steps < 1
     per_device_batch_size: int = 8
     token_weights: TokenWeightSettings | None = None  # None: off
+    report_to: list[Tracker] = field(default_factory=list)  # TensorBoard logs go to sft/runs/
     trl: dict[str, Any] = field(default_factory=lambda: dict(SFTSettings.trl_defaults))
 
 
@@ -166,6 +170,15 @@ class VLLMSettings:
     # steps where a gate keeps memory long (docs/vllm-backend.md, "SSE state"), so its rollouts drift from the
     # trainer's model as they grow.
     state_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardFailureSettings:
+    """When a reward that keeps failing stops the stage (rewards.registry.FailureLimit): failed (raised, timed out,
+    returned no number) on more than `max_share` of a rollout batch's completions for `steps` batches in a row."""
+
+    max_share: float = 0.5
+    steps: int = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +215,8 @@ class GRPOSettings:
     max_prompt_length: int = 512
     long_prompts: Literal["skip", "error"] = "skip"  # prompts over max_prompt_length: skipped and counted, or refused
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="math_accuracy")])
+    reward_failure: RewardFailureSettings | None = field(default_factory=RewardFailureSettings)  # None: never stop
+    report_to: list[Tracker] = field(default_factory=list)  # TensorBoard logs go to grpo/runs/
     eval_every: int | None = None  # run the eval stage's datasets every N steps
     parity_threshold: float = 0.1  # largest |logprob(vLLM) - logprob(trainer)| allowed after a weight push
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
@@ -215,6 +230,9 @@ class EvalSettings:
     top_p: float = 0.7
     max_tokens: int = 32768
     limit: int | None = None  # first N problems of each dataset
+    # Benchmark names (data.eval entries) read from local data instead of the hub: {aime24: path/aime24.jsonl}, or
+    # a full source ({amc23: {source: path, prompt_field: problem}}) where the columns differ from the hub copy's.
+    benchmarks: dict[str, str | DataSource] = field(default_factory=dict)
     # Which models the eval stage scores: "last" (the newest model of the run), or stage names whose model to
     # compare (e.g. [init, sft, grpo]: untrained, after SFT, after GRPO).
     models: list[Literal["last", "init", "convert", "sft", "grpo"]] = field(default_factory=lambda: ["last"])
@@ -259,6 +277,19 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+
+def eval_datasets(cfg: Config) -> list[DataSource | str]:
+    """`data.eval` with the benchmark names that `eval.benchmarks` maps to local data replaced by those sources."""
+    def local(entry):
+        given = cfg.eval.benchmarks.get(entry) if isinstance(entry, str) else None
+        if given is None:
+            return entry
+        if isinstance(given, str):
+            return dataclasses.replace(BENCHMARKS[entry], source=given)
+        return dataclasses.replace(given, name=given.name or entry)
+
+    return [local(entry) for entry in cfg.data.eval]
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -549,6 +580,17 @@ def _check(cfg: Config) -> None:
                 "the constant schedule ignores warmup: use lr_scheduler: constant_with_warmup",
                 [f"{stage}.lr_scheduler"])
     _check_sila(cfg, require)
+    for stage in ("sft", "grpo"):
+        for i, tracker in enumerate(getattr(cfg, stage).report_to):
+            require(any(importlib.util.find_spec(m) for m in TRACKER_PACKAGES[tracker]), f"{stage}.report_to[{i}]",
+                    f"{tracker} is not installed here (pip install {TRACKER_PACKAGES[tracker][0]})")
+    limit = g.reward_failure
+    if limit is not None:
+        require(0 < limit.max_share <= 1, "grpo.reward_failure.max_share", f"must be in (0, 1], got {limit.max_share}")
+        require(limit.steps >= 1, "grpo.reward_failure.steps", f"must be at least 1, got {limit.steps}")
+    for name in cfg.eval.benchmarks:
+        require(name in BENCHMARKS, f"eval.benchmarks.{name}",
+                f"not a benchmark name{_did_you_mean(name, list(BENCHMARKS), show_all=True)}")
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < trl["top_p"] <= 1, "grpo.top_p", f"must be in (0, 1], got {trl['top_p']}")
     require(bool(cfg.eval.models), "eval.models", "must name at least one model: 'last' or stages before eval")
@@ -568,6 +610,11 @@ def _check(cfg: Config) -> None:
     for key, src in [("data.sft", cfg.data.sft), ("data.grpo", cfg.data.grpo),
                      *((f"data.eval[{i}]", e) for i, e in enumerate(cfg.data.eval) if isinstance(e, DataSource))]:
         _check_task(src.generator, f"{key}.generator", src.source)
+        require(src.selection_field is None or src.candidates_field is not None, f"{key}.selection_field",
+                "marks the entries of candidates_field: set candidates_field too", [f"{key}.candidates_field"])
+        require(src.candidates_field is None or src.messages_field is None, f"{key}.candidates_field",
+                "the completion comes from either candidates_field or messages_field, not both",
+                [f"{key}.messages_field"])
         if src.generator.task == "mqar" and src.generator.options.get("format") == "zoology":
             # A code sequence has no prompt to generate from: SFT trains on it, eval scores it teacher-forced.
             require(key != "data.grpo", "data.grpo.generator.options.format", "zoology is for SFT and eval only "
@@ -642,13 +689,6 @@ def _prefixes(key: str):
     while key:
         yield key
         key = key[:max(key.rfind("."), key.rfind("["), 0)]
-
-
-def _did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean {close[0]!r}?)"
-    return f" (valid: {', '.join(choices)})" if show_all else ""
 
 
 def _type_name(tp) -> str:

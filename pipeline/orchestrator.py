@@ -11,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.config import Config, config_from_dict, resolve, save_config
+from pipeline.config import STAGES, Config, config_from_dict, resolve, save_config
 from pipeline.console import Console, output_to
 from pipeline.rundir import RunDir, write_atomic
 
@@ -143,40 +143,91 @@ def gpus_per_worker(res) -> float:
     return (res.num_gpus or 1) if res.use_gpu else 0
 
 
-def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:
-    """Create the run directory, or check that an existing one was made by the same config (a resume)."""
+def prepare_run_dir(cfg: Config, run_path: Path, amend: bool = False) -> RunDir:
+    """Create the run directory, or check that an existing one was made by the same config (a resume). With
+    `amend` (`sse-rl resume --set`), keys of stages not finished yet may differ: the manifest records the change and
+    the run's config.yaml becomes `cfg`."""
     run_dir = RunDir(run_path)
-    if run_dir.config_path.exists():
-        from pipeline.config import load_config
-
-        previous = resolve(load_config(run_dir.config_path))
-        current = resolve(cfg)
-        changed = sorted(_changed_keys(previous, current))
-        if changed:
-            raise StageFailed(f"{run_path} was started with another config (differs at {', '.join(changed)}); "
-                              f"use `sse-rl resume {run_path}` to continue it, or another name for a new run")
     run_dir.create()
     run_dir.lock()
-    if not run_dir.config_path.exists():
-        staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
-        save_config(cfg, staging)
-        os.replace(staging, run_dir.config_path)
+    try:
+        changes = config_changes(cfg, run_dir, amend)
+        if changes:
+            run_dir.record_config_change(changes)
+        if changes or not run_dir.config_path.exists():
+            staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
+            save_config(cfg, staging)
+            os.replace(staging, run_dir.config_path)
+    except BaseException:
+        run_dir.unlock()
+        raise
     return run_dir
 
 
-def _changed_keys(a, b, prefix=""):
+def config_changes(cfg: Config, run_dir: RunDir, amend: bool) -> dict[str, tuple]:
+    """{dotted key: (old value, new value)} where `cfg` differs from the run's saved config; raises StageFailed for
+    any change without `amend`, and for a change to a finished stage's key with it."""
+    if not run_dir.config_path.exists():
+        return {}
+    from pipeline.config import load_config
+
+    changes = dict(sorted(_changes(resolve(load_config(run_dir.config_path)), resolve(cfg))))
+    if changes and not amend:
+        raise StageFailed(f"{run_dir.path} was started with another config (differs at {', '.join(changes)}); use "
+                          f"`sse-rl resume {run_dir.path}` to continue it (`--set KEY=VALUE` changes a stage not "
+                          "finished yet), or another name for a new run")
+    _refuse_changes_to_finished_stages(changes, run_dir)
+    return changes
+
+
+def _changes(a, b, prefix=""):
+    """(dotted key, (value in a, value in b)) where two resolved configs differ; lists compare whole."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in set(a) | set(b):
-            yield from _changed_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+            yield from _changes(a.get(key), b.get(key), f"{prefix}{key}.")
     elif a != b:
-        yield prefix.rstrip(".")
+        yield prefix.rstrip("."), (a, b)
 
 
-def run_pipeline(cfg: Config, run_path: Path | None = None, console: Console | None = None) -> RunDir:
+def key_stages(key: str) -> tuple[str, ...]:
+    """The stages whose work a config key shapes: `sft.*`, `data.sft.*`, `resources.sft.*` belong to sft (the SFT
+    data to init too: a trained tokenizer is trained on it); `ray.*` to none; `model.*` and the top-level keys to
+    every stage, since every later stage starts from what they made."""
+    head, _, rest = key.partition(".")
+    section = rest.split(".")[0].split("[")[0]
+    if head == "ray":
+        return ()
+    if head in ("convert", "sft", "grpo", "eval"):
+        return (head,)
+    if head == "resources":
+        return (section,)
+    if head == "data":
+        return ("init", "sft") if section == "sft" else (section,)
+    return STAGES
+
+
+def _refuse_changes_to_finished_stages(changes: dict, run_dir: RunDir) -> None:
+    finished = run_dir.finished()
+    problems = []
+    for key, (_old, new) in changes.items():
+        if key == "stages":  # more stages may follow; a finished one stays
+            dropped = [s for s in finished if s not in (new or [])]
+            problems += [f"stages: drops {s}, which is finished" for s in dropped]
+            continue
+        problems += [f"{key} belongs to stage {s}, which is finished" for s in key_stages(key) if s in finished]
+    if problems:
+        raise StageFailed(f"{run_dir.path}: cannot change {'; '.join(problems)} ({run_dir.manifest_path}). A "
+                          "finished stage is never redone: its output is what the later stages were built on. "
+                          "Change keys of stages not finished yet, or start a new run (another name)")
+
+
+def run_pipeline(cfg: Config, run_path: Path | None = None, console: Console | None = None,
+                 amend: bool = False) -> RunDir:
     """Run the config's stages. The console gets the lines of pipeline/console.py; what the libraries print goes
-    to the run's logs/: `<stage>.log` while a stage runs, `driver.log` before, between and after."""
+    to the run's logs/: `<stage>.log` while a stage runs, `driver.log` before, between and after. `amend`: see
+    `prepare_run_dir`."""
     console = console or Console.of_stdout()
-    run_dir = prepare_run_dir(cfg, Path(run_path or cfg.run_dir))
+    run_dir = prepare_run_dir(cfg, Path(run_path or cfg.run_dir), amend)
     console.line(f"run {run_dir.path} (library output: {run_dir.logs_dir}/<stage>.log)")
     driver_log = run_dir.logs_dir / "driver.log"
     try:

@@ -114,6 +114,18 @@ class RunDir:
     def stage_output(self, stage: str) -> str | None:
         return self.manifest()["stages"].get(stage, {}).get("output")
 
+    def finished(self) -> dict[str, str | None]:
+        """{stage: output} of the stages marked done."""
+        return {s: e.get("output") for s, e in self.manifest()["stages"].items() if e.get("state") == "done"}
+
+    def record_config_change(self, changes: dict[str, tuple]) -> None:
+        """Note in the manifest that `sse-rl resume --set` changed the config: {key: (old value, new value)}."""
+        manifest = self.manifest()
+        manifest.setdefault("config_changes", []).append(
+            {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "changes": {key: {"from": old, "to": new} for key, (old, new) in changes.items()}})
+        write_atomic(self.manifest_path, json.dumps(manifest, indent=1))
+
     # --- progress -----------------------------------------------------------------------------------------
     def write_progress(self, stage: str, **progress) -> None:
         """`<stage>/progress.json`, which the driver's console reads (pipeline/console.py). Replaced whole by a

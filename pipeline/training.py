@@ -131,7 +131,7 @@ def common_training_args(cfg, stage_cfg, out: Path) -> dict:
         data_seed=cfg.seed,
         bf16=cfg.model.dtype == "bfloat16" and on_gpu,
         use_cpu=not on_gpu,
-        report_to=[],
+        report_to=list(stage_cfg.report_to),  # beside metrics.jsonl (StageCallback), which is always written
         save_strategy="steps",
         save_only_model=False,
         dataloader_num_workers=0,

@@ -15,6 +15,7 @@ keyword arguments, one value per completion; TRL also passes `completion_ids`, `
 wrapped functions and their weights, ready for `GRPOTrainer(reward_funcs=...)` and
 `GRPOConfig(reward_weights=...)`.
 """
+import difflib
 import importlib
 import inspect
 import logging
@@ -30,6 +31,7 @@ FAILURE_KINDS = ("error", "timeout", "invalid")  # raised / ran out of time / re
 
 _REGISTRY: dict[str, RewardFunc] = {}
 _failures: dict[str, Counter] = defaultdict(Counter)
+_last_failure: dict[str, str] = {}  # reward name -> what its last failure was, for RewardsFailing
 _logged: set[tuple[str, str]] = set()
 _active: ContextVar[str | None] = ContextVar("active_reward", default=None)
 
@@ -56,8 +58,8 @@ def get_reward(name: str) -> RewardFunc:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" not in name:
-        raise KeyError(f"unknown reward {name!r}: registered rewards are {', '.join(registered())}; "
-                       "or name a function as 'package.module:function'")
+        raise KeyError(f"unknown reward {name!r}{_did_you_mean(name, registered())}: registered rewards are "
+                       f"{', '.join(registered())}; or name a function as 'package.module:function'")
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -65,8 +67,15 @@ def get_reward(name: str) -> RewardFunc:
         raise ImportError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from e
     func = getattr(module, attr, None)
     if not callable(func):
-        raise AttributeError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+        functions = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        raise AttributeError(f"reward {name!r}: module {module_name!r} has no function "
+                             f"{attr!r}{_did_you_mean(attr, functions)}")
     return func
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---------------------------------------------------------------------------------------------------- failures
@@ -80,6 +89,7 @@ def record_failure(kind: str, count: int = 1, message: str = "", exc_info=None):
     """
     name = _active.get() or "unnamed"
     _failures[name][kind] += count
+    _last_failure[name] = f"{message} ({kind})"
     if (name, kind) not in _logged:
         _logged.add((name, kind))
         logger.warning("reward %r: %s (%s; the completion gets 0; further failures of this kind are counted "
@@ -104,6 +114,39 @@ class RewardTimeout(RuntimeError):
     pass
 
 
+class RewardsFailing(RuntimeError):
+    """A reward failed on most completions batch after batch: the stage stops rather than train on its zeros."""
+
+
+class FailureLimit:
+    """Stops training once a reward failed on more than `max_share` of a rollout batch's completions for `steps`
+    batches in a row (raises RewardsFailing from the reward call, so TRL's step and the stage end there).
+
+    A failure scores 0 and training goes on (SafeReward), which is right for the odd crash. A reward that fails on
+    nearly everything (a bug, a missing column, a grader that cannot start) would instead train on zeros to the end,
+    and the run would end `done`. TRL scores one rollout batch per optimizer step (per `num_iterations` steps)."""
+
+    def __init__(self, max_share: float = 0.5, steps: int = 3):
+        self.max_share, self.steps = max_share, steps
+        self._streaks: dict[str, list[str]] = {}  # reward name -> its failing batches in a row, as "failed/total"
+
+    def __repr__(self):
+        return f"FailureLimit(max_share={self.max_share}, steps={self.steps})"
+
+    def update(self, name: str, failed: int, total: int, step: int | None = None) -> None:
+        if not total or failed / total <= self.max_share:
+            self._streaks.pop(name, None)
+            return
+        streak = self._streaks.setdefault(name, [])
+        streak.append(f"{failed}/{total}" + (f" at step {step}" if step is not None else ""))
+        if len(streak) >= self.steps:
+            raise RewardsFailing(
+                f"reward {name!r} failed on more than {self.max_share:.0%} of the completions in {self.steps} rollout "
+                f"batches in a row ({', '.join(streak[-self.steps:])}); last failure: "
+                f"{_last_failure.get(name, 'unknown')}. Fix the reward or its data, or raise the limit "
+                f"(grpo.reward_failure: {{max_share, steps}}; null never stops)")
+
+
 def _call(func, prompts, completions, kwargs):
     """Runs in a pool worker: `func` is pickled by reference, so it must be importable (module level)."""
     return func(prompts, completions, **kwargs)
@@ -117,13 +160,15 @@ class SafeReward:
     instance rather than a closure so it pickles (TRL and Ray may ship reward functions to other processes).
     """
 
-    def __init__(self, func: RewardFunc, name: str, options: Mapping | None = None, timeout: float | None = None):
+    def __init__(self, func: RewardFunc, name: str, options: Mapping | None = None, timeout: float | None = None,
+                 failure_limit: FailureLimit | None = None):
         if inspect.iscoroutinefunction(func):
             raise TypeError(f"reward {name!r}: async reward functions are not supported")
         self.func = func
         self.__name__ = name
         self.options = dict(options or {})
         self.timeout = timeout  # seconds per batch, in a killable worker process; None: called in this process
+        self.failure_limit = failure_limit  # None: failures never stop training
 
     def __repr__(self):
         return f"SafeReward({self.__name__!r}, {self.func.__module__}.{self.func.__qualname__}, {self.options})"
@@ -135,10 +180,14 @@ class SafeReward:
             values = self._batch(prompts, completions, columns)
         finally:
             _active.reset(token)
+        failed = sum(_failures[self.__name__].values()) - before
         log_metric = columns.get("log_metric")
         if callable(log_metric) and completions:
-            failed = sum(_failures[self.__name__].values()) - before
             log_metric(f"rewards/{self.__name__}/failed", failed / len(completions))
+        if self.failure_limit is not None:
+            state = columns.get("trainer_state")
+            step = state.global_step + 1 if state is not None else None  # the step this batch trains
+            self.failure_limit.update(self.__name__, failed, len(completions), step)
         return values
 
     def _invoke(self, prompts, completions, columns):
@@ -221,11 +270,15 @@ def build_reward(name: str, options: Mapping | None = None, log_name: str | None
     func = get_reward(name)
     options = dict(options or {})
     params = inspect.signature(func).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise TypeError(f"reward {name!r}: its function must take **kwargs: TRL passes every dataset column and "
+                        "trainer_state by keyword (see rewards/registry.py)")
     allowed = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
     required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"reward {name!r}: unknown option(s) {', '.join(unknown)}; "
+        hint = _did_you_mean(unknown[0], sorted(allowed)) if len(unknown) == 1 else ""
+        raise ValueError(f"reward {name!r}: unknown option(s) {', '.join(unknown)}{hint}; "
                          f"options: {', '.join(sorted(allowed)) or 'none'}")
     missing = sorted(required - set(options))
     if missing:
@@ -238,13 +291,14 @@ def build_reward(name: str, options: Mapping | None = None, log_name: str | None
 SPEC_KEYS = ("name", "weight", "kwargs", "log_name", "timeout")
 
 
-def build_rewards(specs) -> tuple[list[SafeReward], list[float]]:
+def build_rewards(specs, failure_limit: FailureLimit | None = None) -> tuple[list[SafeReward], list[float]]:
     """Rewards and weights from a config list, for TRL: `GRPOTrainer(reward_funcs=funcs)` and
     `GRPOConfig(reward_weights=weights)`. TRL sums weight * reward per completion (a None reward is left out).
 
     Each spec is a reward name, a mapping {name, weight=1.0, kwargs={}, log_name=None, timeout=None}, or an
     object with those attributes (the pipeline's RewardSpec). `timeout` (seconds per batch) runs the reward in
-    a worker process that is killed if it hangs, which scores the batch 0 and counts it.
+    a worker process that is killed if it hangs, which scores the batch 0 and counts it. `failure_limit` stops
+    training when a reward keeps failing (FailureLimit).
     """
     funcs, weights = [], []
     for i, spec in enumerate(specs):
@@ -267,6 +321,7 @@ def build_rewards(specs) -> tuple[list[SafeReward], list[float]]:
         if func.__name__ in [f.__name__ for f in funcs]:
             raise ValueError(f"rewards[{i}]: two rewards would be logged as {func.__name__!r}; give one a "
                              "'log_name'")
+        func.failure_limit = failure_limit
         funcs.append(func)
         weights.append(float(weight))
     return funcs, weights

@@ -1,29 +1,43 @@
-"""Datasets for the stages and for `sse-rl eval`, from the generator, a local JSONL/Parquet file, a Hugging Face
-dataset id, or a benchmark name (`tasks.sources.BENCHMARKS`).
+"""Datasets for the stages and for `sse-rl eval`, from the generator, local data (a .json/.jsonl/.csv/.parquet/.arrow
+file, compressed or not, a glob of them, a folder of shards or a `save_to_disk` folder), a Hugging Face dataset id,
+or a benchmark name (`tasks.sources.BENCHMARKS`).
 
 Every source is normalised to TRL's conversational formats:
   SFT:       {"prompt": [messages], "completion": [assistant message]}   (loss on the completion)
   RL, eval:  {"prompt": [messages], "answer": str, "id": str}            (rewards read `answer`)
 A text prompt becomes one user message in the shared prompt template (`tasks.prompts`); a prompt that
-is already a list of chat messages is kept as it is. The exception is MQAR in Zoology's format (`options.format:
-zoology`): no prompt and no chat template, one sequence of codes per row (SFT: `text`, tokenized by
-`tokenize_codes` with labels on the answer slots only; eval: a `sequence` column, scored teacher-forced).
+is already a list of chat messages gets the same template (`tasks.prompts.instruct`). The exception is MQAR in
+Zoology's format (`options.format: zoology`): no prompt and no chat template, one sequence of codes per row
+(SFT: `text`, tokenized by `tokenize_codes` with labels on the answer slots only; eval: a `sequence` column,
+scored teacher-forced).
 A malformed row raises DataError naming the source, the row (the line number for JSONL) and the field.
+
+Rows are never held as Python lists: a JSONL file is read line by line into an Arrow cache (`datasets`), every
+other source is `datasets`' memory-mapped Arrow, checked and converted row by row. `preview` reads only a
+source's first rows (streamed), for the checks before a run.
 
 This package is the task layer: the stages and `eval/` import it, it imports neither.
 """
+import bz2
 import dataclasses
 import functools
+import glob
+import gzip
+import itertools
 import json
+import logging
+import lzma
 from pathlib import Path
 
 import datasets
-import pyarrow.parquet as pq
+from datasets.fingerprint import Hasher
 
 from tasks.generator import generate
-from tasks.prompts import build_prompt, prompt_token_ids
+from tasks.prompts import build_prompt, instruct, prompt_token_ids
 from tasks.retrieval import TASK_COLUMNS, answer_labels, generate_task
-from tasks.sources import BENCHMARKS, DataSource, describe
+from tasks.sources import BENCHMARKS, DataSource, describe, did_you_mean
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 _MESSAGES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
@@ -93,6 +107,17 @@ def load_rl_dataset(src: DataSource) -> datasets.Dataset:
     return _normalise(src, _rl_row, RL_FEATURES)
 
 
+def preview(src: DataSource, kind: str, rows: int = 4) -> list[dict]:
+    """The first `rows` rows of `src` as `load_sft_dataset` (kind "sft") or `load_rl_dataset` ("rl") gives them,
+    reading only those rows: a missing file, a missing column or a malformed row raises DataError in seconds."""
+    if src.source == "generator":
+        load = load_sft_dataset if kind == "sft" else load_rl_dataset
+        return load(dataclasses.replace(src, limit=min(rows, src.limit or rows))).to_list()
+    make = functools.partial(_sft_row if kind == "sft" else _rl_row, src=src, label=_label(src))
+    first = itertools.islice(_numbered_rows(src, streaming=True), rows)
+    return [made for number, row in first if (made := make(row, number)) is not None]
+
+
 def benchmark_source(spec: str | DataSource, limit: int | None = None) -> DataSource:
     """The DataSource of a benchmark name, a local .jsonl/.parquet file, or a Hugging Face id / dataset directory
     (split "test"); a config's DataSource as is. `limit` keeps the first rows only."""
@@ -100,11 +125,11 @@ def benchmark_source(spec: str | DataSource, limit: int | None = None) -> DataSo
         src = spec
     elif spec in BENCHMARKS:
         src = BENCHMARKS[spec]
-    elif _is_file(spec) or "/" in spec or Path(spec).is_dir():
+    elif _local(spec) or "/" in spec:
         src = DataSource(source=spec, split="test")
     else:
-        raise ValueError(f"unknown benchmark {spec!r}: use one of {', '.join(sorted(BENCHMARKS))}, a .jsonl or "
-                         ".parquet file, or a Hugging Face dataset id")
+        raise ValueError(f"unknown benchmark {spec!r}{did_you_mean(spec, list(BENCHMARKS))}: use one of "
+                         f"{', '.join(sorted(BENCHMARKS))}, a local data file or folder, or a Hugging Face dataset id")
     return dataclasses.replace(src, limit=limit)
 
 
@@ -120,8 +145,10 @@ def source_name(src: DataSource) -> str:
         return src.name
     if src.source == "generator":
         return f"generator-{src.split}" if src.generator.task == "arithmetic" else f"{src.generator.task}-{src.split}"
-    path = Path(src.source)
-    return path.stem if _is_file(src.source) else path.name if path.is_dir() else src.source
+    local = _local(src.source)
+    if local in ("file", "lines"):
+        return _strip_format(Path(src.source).name)
+    return Path(src.source).name if local else src.source
 
 
 def filter_long_prompts(dataset: datasets.Dataset, tokenizer, max_length: int, mode: str
@@ -150,19 +177,41 @@ def _normalise(src: DataSource, make_row, features: datasets.Features) -> datase
             features = datasets.Features({**features, **TASK_FEATURES, **extra})
             make = functools.partial(_with_task_columns, make=make, columns=[*TASK_COLUMNS, *extra])
         return datasets.Dataset.from_list([make(row, i + 1) for i, row in enumerate(rows)], features)
-    if _is_file(src.source):
-        rows = _read_file(Path(src.source), src)
-        return datasets.Dataset.from_list([make(row, number) for number, row in rows], features)
-    # A Hugging Face dataset id (or a local dataset directory): rows are checked as they are mapped, so a
-    # large dataset is never held in memory as Python objects.
-    try:
-        ds = datasets.load_dataset(src.source, src.subset, split=src.split)
-    except Exception as e:  # datasets raises many kinds; the cause is kept
-        raise DataError(f"{label}: cannot load dataset: {type(e).__name__}: {e}") from e
-    if src.limit is not None:
-        ds = ds.select(range(min(src.limit, len(ds))))
-    return ds.map(_with_row_number, fn_kwargs={"make": make}, with_indices=True, remove_columns=ds.column_names,
-                  features=features, desc=f"Checking {label}")
+    if _local(src.source) == "lines":
+        # Read here rather than by `datasets` for the messages: rows numbered by line, bad bytes and bad JSON named.
+        # The fingerprint names the file's version, so an edited file is read again.
+        path = _existing(Path(src.source))
+        stat = path.stat()
+        key = [str(path.resolve()), stat.st_size, stat.st_mtime_ns, src, make_row.__name__, features]
+        try:
+            ds = datasets.Dataset.from_generator(_made_lines, features=features, gen_kwargs={"src": src, "make": make},
+                                                 fingerprint=Hasher.hash(key))
+        except datasets.exceptions.DatasetGenerationError as e:
+            raise (e.__cause__ if isinstance(e.__cause__, DataError) else e) from None
+    else:
+        raw = _open(src, streaming=False)
+        if src.limit is not None:
+            raw = raw.select(range(min(src.limit, len(raw))))
+        ds = raw.map(_made_batch, fn_kwargs={"make": make, "columns": list(features)}, batched=True,
+                     with_indices=True, remove_columns=raw.column_names, features=features, desc=f"Checking {label}")
+    if src.candidates_field is not None:
+        logger.warning("%s: %d rows have a %s trace marked true in %s; the other rows are skipped", label, len(ds),
+                       src.candidates_field, src.selection_field)
+    return ds
+
+
+def _made_lines(src: DataSource, make):
+    for number, row in _json_lines(Path(src.source), src.limit):
+        made = make(row, number)
+        if made is not None:
+            yield made
+
+
+def _made_batch(batch: dict, indices: list[int], make, columns: list[str]) -> dict:
+    """A batch of rows checked and converted; a row `make` skips (None) is left out."""
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    made = [m for i, row in zip(indices, rows) if (m := make(row, i + 1)) is not None]
+    return {c: [m[c] for m in made] for c in columns}
 
 
 def _generated(src: DataSource) -> list[dict]:
@@ -186,18 +235,20 @@ def _with_task_columns(row: dict, number: int, make, columns: list[str]) -> dict
     return {**make(row, number), **{k: row[k] for k in columns}}
 
 
-def _with_row_number(row: dict, index: int, make) -> dict:
-    return make(row, index + 1)
-
-
 def _sft_row(row: dict, number: int, src: DataSource, label: str) -> dict:
     where = f"{label}: row {number}"
+    if src.candidates_field is not None:
+        trace = _chosen_candidate(row, src, where)
+        if trace is None:
+            return None
+        return {"prompt": _prompt(row, src.prompt_field, where),
+                "completion": [{"role": "assistant", "content": trace}]}
     if src.messages_field is not None:
         messages = _messages(row, src.messages_field, where)
         if len(messages) < 2 or messages[-1]["role"] != "assistant":
             raise DataError(f"{where}: {src.messages_field}: expected turns ending with an assistant turn, "
                             f"got roles {[m['role'] for m in messages]}")
-        return {"prompt": messages[:-1], "completion": messages[-1:]}
+        return {"prompt": instruct(messages[:-1]), "completion": messages[-1:]}
     completion = row.get(src.completion_field)
     if isinstance(completion, list):
         completion = _messages(row, src.completion_field, where)
@@ -224,15 +275,46 @@ def _rl_row(row: dict, number: int, src: DataSource, label: str) -> dict:
     return {"prompt": _prompt(row, src.prompt_field, where), "answer": answer.strip(), "id": row_id}
 
 
+def _chosen_candidate(row: dict, src: DataSource, where: str) -> str | None:
+    """The first candidate trace marked true in `selection_field` (the first one without it); None: none is."""
+    field, marks_field = src.candidates_field, src.selection_field
+    candidates = row.get(field)
+    if candidates is None:
+        raise _missing(row, field, where)
+    if not isinstance(candidates, list) or not candidates:
+        raise DataError(f"{where}: {field}: expected a non-empty list of traces, got {describe(candidates)}")
+    chosen = 0
+    if marks_field is not None:
+        marks = row.get(marks_field)
+        if marks is None:
+            raise _missing(row, marks_field, where)
+        if not isinstance(marks, list) or len(marks) != len(candidates):
+            raise DataError(f"{where}: {marks_field}: expected a list of {len(candidates)} true/false marks, one per "
+                            f"{field} entry, got {describe(marks)}")
+        chosen = next((i for i, mark in enumerate(marks) if mark is True), None)
+        if chosen is None:
+            return None
+    trace = candidates[chosen]
+    if not isinstance(trace, str) or not trace.strip():
+        raise DataError(f"{where}: {field}[{chosen}]: expected a non-empty string, got {describe(trace)}")
+    return trace
+
+
 def _prompt(row: dict, field: str, where: str) -> list[dict]:
     if isinstance(row.get(field), list):
-        return _messages(row, field, where)
+        return instruct(_messages(row, field, where))
     return build_prompt(_text(row, field, where))
+
+
+def _missing(row: dict, field: str, where: str) -> DataError:
+    keys = [str(k) for k in row]
+    return DataError(f"{where}: {field}: missing{did_you_mean(field, [k for k in keys if k != field])} "
+                     f"(row has {', '.join(keys) or 'no fields'})")
 
 
 def _text(row: dict, field: str, where: str) -> str:
     if row.get(field) is None:
-        raise DataError(f"{where}: {field}: missing (row has {', '.join(map(str, row)) or 'no fields'})")
+        raise _missing(row, field, where)
     value = row[field]
     if not isinstance(value, str):
         raise DataError(f"{where}: {field}: expected a string, got {describe(value)}")
@@ -257,31 +339,99 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- files
 
-def _is_file(source: str) -> bool:
-    return source.endswith((".jsonl", ".parquet"))
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}  # builders
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # what `datasets` also decompresses
+
+
+def _strip_format(name: str) -> str:
+    """`rows.jsonl.gz` -> `rows`."""
+    for suffix in COMPRESSED:
+        name = name.removesuffix(suffix)
+    return next((name.removesuffix(ext) for ext in FORMATS if name.endswith(ext)), name)
+
+
+def _format(name: str) -> str | None:
+    """The data format of a file name or glob (`.jsonl`, `.csv`, ...; compression aside), None for another name."""
+    for suffix in COMPRESSED:
+        name = name.removesuffix(suffix)
+    return next((ext for ext in FORMATS if name.endswith(ext)), None)
+
+
+def _local(source: str) -> str | None:
+    """What kind of local data `source` is: "lines" (one JSONL file, read here), "file" (one file of another
+    format), "glob", "saved" (a `save_to_disk` folder), "folder" (of data files); None: a Hugging Face id."""
+    path = Path(source)
+    if path.is_dir():
+        return "saved" if (path / "state.json").exists() or (path / "dataset_dict.json").exists() else "folder"
+    if any(c in source for c in "*?["):
+        return "glob"
+    fmt = _format(source)
+    # A data file's name, or a path into a local folder (a misspelled file there is named as missing).
+    if fmt is None and not (path.is_absolute() or str(path.parent) != "." and path.parent.is_dir()):
+        return None
+    return "lines" if fmt == ".jsonl" else "file"
 
 
 def _label(src: DataSource) -> str:
     if src.source == "generator":
         task = src.generator.task
         return f"generator[{src.split}]" if task == "arithmetic" else f"generator {task}[{src.split}]"
-    if _is_file(src.source):
+    if _local(src.source) in ("lines", "file", "glob", "saved"):
         return src.source
     return src.source + (f"[{src.subset}]" if src.subset else "") + f" (split {src.split})"
 
 
-def _read_file(path: Path, src: DataSource):
-    """(row number, row) pairs of a local file, the first `src.limit` rows. JSONL rows are numbered by line."""
+def _numbered_rows(src: DataSource, streaming: bool):
+    """(row number, row) of a source that is not the generator."""
+    if _local(src.source) == "lines":
+        return _json_lines(Path(src.source), src.limit)
+    return enumerate(itertools.islice(_open(src, streaming), src.limit), start=1)
+
+
+def _open(src: DataSource, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    """The raw rows of local data of any format `datasets` reads, or of a Hugging Face dataset; `streaming`: an
+    iterable that reads only as far as it is read."""
+    label, kind = _label(src), _local(src.source)
+    if kind == "file":
+        _existing(Path(src.source))
+    if kind == "glob" and not glob.glob(src.source, recursive=True):
+        raise DataError(f"{src.source}: no file matches")
+    if kind in ("file", "glob") and _format(src.source) is None:
+        raise DataError(f"{src.source}: not a data file name: end it with {', '.join(FORMATS)} (also compressed: "
+                        f"{', '.join(COMPRESSED)})")
+    try:
+        if kind == "saved":
+            ds = datasets.load_from_disk(src.source)
+            if isinstance(ds, datasets.DatasetDict):
+                if src.split not in ds:
+                    raise DataError(f"{label}: no split {src.split!r}{did_you_mean(src.split, list(ds), True)}")
+                ds = ds[src.split]
+            return ds.to_iterable_dataset() if streaming else ds
+        if kind in ("file", "glob"):
+            return datasets.load_dataset(FORMATS[_format(src.source)], data_files=src.source, split="train",
+                                         streaming=streaming)
+        return datasets.load_dataset(src.source, src.subset, split=src.split, streaming=streaming)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many kinds; the cause is kept
+        raise DataError(f"{label}: cannot load dataset: {type(e).__name__}: {e}") from e
+
+
+def _existing(path: Path) -> Path:
     if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    if path.suffix == ".parquet":
-        rows = pq.read_table(path).to_pylist()
-        return list(enumerate(rows, start=1))[:src.limit]
-    rows = []
-    with path.open("rb") as f:
+        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        raise DataError(f"{path}: no such file{did_you_mean(path.name, siblings)}")
+    return path
+
+
+def _json_lines(path: Path, limit: int | None):
+    """(line number, row) of a JSON Lines file (compressed or not), the first `limit` rows, read line by line."""
+    opener = next((o for suffix, o in COMPRESSED.items() if path.name.endswith(suffix)), open)
+    count = 0
+    with opener(_existing(path), "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if src.limit is not None and len(rows) >= src.limit:
-                break
+            if limit is not None and count >= limit:
+                return
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -295,5 +445,5 @@ def _read_file(path: Path, src: DataSource):
                 raise DataError(f"{path}: row {number}: invalid JSON: {e.msg} at column {e.colno}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}: row {number}: expected a JSON object, got {describe(row)}")
-            rows.append((number, row))
-    return rows
+            count += 1
+            yield number, row

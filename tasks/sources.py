@@ -1,6 +1,7 @@
 """Where a dataset comes from (`DataSource`, the `data` entries of a run config) and the named benchmarks, part of
 the task layer so that loading data needs nothing from the pipeline; `pipeline.config` validates these
 dataclasses as part of a run's config."""
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,9 @@ class GeneratorSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSource:
-    source: str = "generator"  # "generator", a Hugging Face dataset id, or a local .jsonl/.parquet path
+    # "generator", a Hugging Face dataset id, or local data: a .json/.jsonl/.csv/.parquet/.arrow file (also
+    # compressed: .jsonl.gz, ...), a glob of them, a folder of shards, or a folder written by `save_to_disk`
+    source: str = "generator"
     name: str | None = None  # label in metrics and reports; None: derived from source
     split: str = "train"
     subset: str | None = None  # Hugging Face config name
@@ -31,6 +34,11 @@ class DataSource:
     completion_field: str = "solution"  # SFT target when messages_field is unset
     messages_field: str | None = None  # SFT: a chat column whose last turn is the assistant's answer
     id_field: str = "id"  # rows without it get "<name>-<row>"
+    # SFT from several candidate traces per row (OpenR1-Math: `generations` with `correctness_math_verify`): the
+    # completion is the first candidate whose entry in `selection_field` is true (the first candidate when
+    # `selection_field` is unset); rows without one are skipped and counted in the log.
+    candidates_field: str | None = None
+    selection_field: str | None = None
 
 
 # Evaluation sets by name: the one registry of `data.eval` entries and `sse-rl eval --datasets`
@@ -51,3 +59,11 @@ def describe(value) -> str:
     """Type and (shortened) repr of a value, for error messages."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def did_you_mean(word: str, choices: list[str], show_all: bool = False) -> str:
+    """` (did you mean 'x'?)` for the closest of `choices`, else ` (valid: ...)` with `show_all`, else ''."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (valid: {', '.join(choices)})" if show_all else ""

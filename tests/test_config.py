@@ -124,7 +124,7 @@ BAD = [
     ("sft: {learning_rate: abc}", "sft.learning_rate: expected float, got str 'abc'"),
     ("sft: {learnig_rate: 0.1}", "sft.learnig_rate: unknown key (did you mean 'learning_rate'?)"),
     ("sft: {zzz: 1}", "sft.zzz: unknown key: neither a key of the pipeline (epochs, lr_scheduler, warmup_ratio, "
-     "per_device_batch_size, token_weights) nor a field of trl.SFTConfig"),
+     "per_device_batch_size, token_weights, report_to) nor a field of trl.SFTConfig"),
     ("ray: {zzz: 1}", "ray.zzz: unknown key (valid: address, num_cpus, num_gpus, max_failures)"),
     # TRL settings: checked against trl.SFTConfig / trl.GRPOConfig, their types and declared choices
     ("sft: {adam_beta2: high}", "sft.adam_beta2: expected float, got str 'high'"),
@@ -169,6 +169,16 @@ BAD = [
     ("sft: {warmup_ratio: 1.5}", "sft.warmup_ratio: must be in [0, 1), got 1.5"),
     ("sft: {padding_free: true, max_length: 128}", "sft.max_length: must be null with padding_free and no packing "
      "(TRL truncates nothing then), got 128"),
+    ("sft: {report_to: [tensorbord]}", "sft.report_to[0]: expected one of 'tensorboard', 'wandb', got str "
+     "'tensorbord' (did you mean 'tensorboard'?)"),
+    ("grpo: {reward_failure: {max_share: 0}}", "grpo.reward_failure.max_share: must be in (0, 1], got 0"),
+    ("grpo: {reward_failure: {steps: 0}}", "grpo.reward_failure.steps: must be at least 1, got 0"),
+    ("eval: {benchmarks: {aime_24: x.jsonl}}", "eval.benchmarks.aime_24: not a benchmark name (did you mean "
+     "'aime24'?)"),
+    ("data: {sft: {selection_field: ok}}", "data.sft.selection_field: marks the entries of candidates_field: set "
+     "candidates_field too"),
+    ("data: {sft: {candidates_field: gens, messages_field: m}}", "data.sft.candidates_field: the completion comes "
+     "from either candidates_field or messages_field, not both"),
     ("grpo: {num_iterations: 4, save_steps: 10}", "grpo.save_steps: must be a multiple of num_iterations=4 (a "
      "checkpoint between two updates on one rollout batch could not resume exactly), got 10"),
 ]
@@ -317,3 +327,42 @@ def test_vllm_enforce_eager_and_state_dtype_reach_the_rollout_and_eval_engines(m
     run.create()
     evaluate.run(cfg, run, "model")
     assert [(kwargs["enforce_eager"], kwargs["state_dtype"]) for kwargs in built] == [(True, "bfloat16")]
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_report_to_reaches_trl_beside_metrics_when_the_tracker_is_installed(tmp_path, monkeypatch, installed):
+    """`report_to` is checked for its package at validation (no network: the tracker itself is not started) and
+    handed to TRL's TrainingArguments; metrics.jsonl is written either way (StageCallback)."""
+    import importlib.util
+
+    import trl
+
+    from pipeline.training import common_training_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (real("json") if installed else None) if name in ("tensorboard", "tensorboardX") else real(name, *a)))
+    path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\nsft: {report_to: [tensorboard]}\n")
+    if not installed:
+        with pytest.raises(ConfigError, match=r"sft.report_to\[0\]: tensorboard is not installed here \(pip install "
+                                              r"tensorboard\)$"):
+            load_config(path)
+        return
+    cfg = load_config(path)
+    args = common_training_args(cfg, cfg.sft, tmp_path)
+    assert args["report_to"] == ["tensorboard"]
+    assert trl.SFTConfig(**args).report_to == ["tensorboard"]
+    assert common_training_args(cfg, cfg.grpo, tmp_path)["report_to"] == []  # per stage
+
+
+def test_benchmark_names_map_to_local_files(tmp_path):
+    from pipeline.config import eval_datasets
+    from tasks.sources import BENCHMARKS
+
+    path = _write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\ndata: {eval: [aime24, amc23, math500]}\n"
+                  "eval: {benchmarks: {aime24: /data/aime24.jsonl, amc23: {source: /data/amc23.jsonl}}}\n")
+    aime24, amc23, math500 = eval_datasets(load_config(path))
+    assert aime24.source == "/data/aime24.jsonl" and aime24.name == "aime24" and aime24.split == "train"
+    assert amc23.source == "/data/amc23.jsonl" and amc23.name == "amc23" and amc23.prompt_field == "problem"
+    assert math500 == "math500"  # not mapped: the hub copy
+    assert BENCHMARKS["aime24"].source == "HuggingFaceH4/aime_2024"

@@ -1,5 +1,6 @@
 """Data layer: generator (determinism, exact answers, disjoint splits), loaders (every source, row-level errors),
 tokenizer (digits, chat template with assistant masks, save/reload)."""
+import gzip
 import json
 import re
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 from conftest import shared_data_file
 from pipeline.config import DataSource, GeneratorSettings
 from tasks.generator import LEVELS, generate, split_of
-from tasks.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset
-from tasks.prompts import build_prompt
+from tasks.loaders import DataError, filter_long_prompts, load_rl_dataset, load_sft_dataset, preview
+from tasks.prompts import INSTRUCTION, build_prompt, instruct
 from tasks.tokenizer import CHAT_TEMPLATE, conversation_texts, train_tokenizer
 
 ALL_LEVELS = sorted(LEVELS)
@@ -134,10 +135,10 @@ def test_hugging_face_path_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
     src = str(tmp_path / "ds")
     rl = load_rl_dataset(DataSource(source=src, split="test"))
-    assert calls == [((src, None), {"split": "test"})]
+    assert calls == [((src, None), {"split": "test", "streaming": False})]
     assert rl["answer"] == ["2", "4"] and rl["id"] == ["a", "ds-2"]
     sft = load_sft_dataset(DataSource(source=src, split="test", messages_field="chat", limit=2))
-    assert sft[1] == {"prompt": ROWS[1]["chat"][:2], "completion": ROWS[1]["chat"][2:]}
+    assert sft[1] == {"prompt": instruct(ROWS[1]["chat"][:2]), "completion": ROWS[1]["chat"][2:]}
     with pytest.raises(DataError, match=rf"^{src} \(split train\): cannot load dataset: ValueError: .*split"):
         load_rl_dataset(DataSource(source=src, split="train"))
     bad = tmp_path / "bad" / "data"
@@ -205,10 +206,12 @@ def test_malformed_sft_rows(tmp_path, row, field, message):
     assert str(e.value) == f"{path}: {message}"
 
 
-def test_integer_answers_and_chat_prompts_are_kept(tmp_path):
+def test_integer_answers_and_chat_prompts_in_the_shared_template(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     path = _jsonl(tmp_path, json.dumps({"id": 7, "problem": chat, "answer": 4}).encode())
-    assert load_rl_dataset(DataSource(source=str(path)))[0] == {"prompt": chat, "answer": "4", "id": "7"}
+    templated = [chat[0], {"role": "user", "content": f"2+2?\n{INSTRUCTION}"}]
+    assert load_rl_dataset(DataSource(source=str(path)))[0] == {"prompt": templated, "answer": "4", "id": "7"}
+    assert instruct(templated) == templated  # given once, never twice
 
 
 def test_missing_file(tmp_path):
@@ -285,3 +288,112 @@ def test_column_steps_spell_out_the_result():
             assert from_columns(add_steps(a, b)) == a + b, (a, b, add_steps(a, b))
             if a >= b:
                 assert from_columns(sub_steps(a, b)) == a - b, (a, b, sub_steps(a, b))
+
+
+# ---------------------------------------------------------------------------------------------------- formats
+
+def _write_formats(tmp_path) -> dict[str, str]:
+    """ROWS in every local form `datasets` reads; {form: source}."""
+    ds = datasets.Dataset.from_list(ROWS)
+    lines = b"".join(json.dumps(r).encode() + b"\n" for r in ROWS)
+    (tmp_path / "rows.jsonl").write_bytes(lines)
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wb") as f:
+        f.write(lines)
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))  # one JSON array
+    ds.remove_columns("chat").to_csv(tmp_path / "rows.csv")
+    ds.to_parquet(tmp_path / "rows.parquet")
+    for i, row in enumerate(ROWS):  # a glob and a folder of shards
+        (tmp_path / "shards").mkdir(exist_ok=True)
+        datasets.Dataset.from_list([row]).to_parquet(tmp_path / "shards" / f"train-{i:05d}-of-00002.parquet")
+    ds.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict({"test": ds}).save_to_disk(tmp_path / "saved_dict")
+    return {"jsonl": "rows.jsonl", "jsonl.gz": "rows.jsonl.gz", "json": "rows.json", "csv": "rows.csv",
+            "parquet": "rows.parquet", "glob": "shards/*.parquet", "folder": "shards", "save_to_disk": "saved",
+            "save_to_disk dict": "saved_dict"}
+
+
+@pytest.mark.parametrize("form", ["jsonl", "jsonl.gz", "json", "csv", "parquet", "glob", "folder", "save_to_disk",
+                                  "save_to_disk dict"])
+def test_every_local_form(tmp_path, form):
+    src = str(tmp_path / _write_formats(tmp_path)[form])
+    split = "test" if form == "save_to_disk dict" else "train"
+    rl = load_rl_dataset(DataSource(source=src, split=split))
+    assert rl["answer"] == ["2", "4"] and rl["prompt"][0] == build_prompt("What is 1+1?")
+    assert rl.cache_files, "rows should be memory-mapped Arrow, not Python lists"
+    assert preview(DataSource(source=src, split=split), "rl", rows=1) == [rl[0]]
+    assert load_sft_dataset(DataSource(source=src, split=split, limit=1))[0]["completion"][0]["content"] == \
+        ROWS[0]["solution"]
+
+
+def test_missing_sources_say_what_is_there(tmp_path):
+    _write_formats(tmp_path)
+    with pytest.raises(DataError, match=r"rows.jsnol.gz: no such file \(did you mean 'rows.jsonl.gz'\?\)$"):
+        load_rl_dataset(DataSource(source=str(tmp_path / "rows.jsnol.gz")))
+    with pytest.raises(DataError, match=r"nope/\*.parquet: no file matches$"):
+        preview(DataSource(source=str(tmp_path / "nope" / "*.parquet")), "rl")
+    with pytest.raises(DataError, match=r"saved_dict: no split 'tset' \(did you mean 'test'\?\)$"):
+        load_rl_dataset(DataSource(source=str(tmp_path / "saved_dict"), split="tset"))
+    with pytest.raises(DataError, match=r"row 1: answr: missing \(did you mean 'answer'\?\) \(row has id, "):
+        preview(DataSource(source=str(tmp_path / "rows.parquet"), answer_field="answr"), "rl")
+
+
+def test_preview_reads_only_the_first_rows(tmp_path):
+    path = _jsonl(tmp_path, GOOD, GOOD, b"{broken")
+    assert len(preview(DataSource(source=str(path)), "rl", rows=2)) == 2
+    with pytest.raises(DataError, match=r"row 3: invalid JSON"):
+        load_rl_dataset(DataSource(source=str(path)))
+
+
+def test_an_edited_jsonl_file_is_read_again(tmp_path):
+    path = _jsonl(tmp_path, GOOD)
+    assert len(load_rl_dataset(DataSource(source=str(path)))) == 1
+    _jsonl(tmp_path, GOOD, GOOD)
+    assert len(load_rl_dataset(DataSource(source=str(path)))) == 2
+
+
+OPENR1 = [  # OpenR1-Math's columns: several traces per problem and which of them Math-Verify accepted
+    {"problem": "1+1?", "answer": "2", "generations": ["<think>x</think> 3", "<think>y</think> \\boxed{2}"],
+     "correctness_math_verify": [False, True]},
+    {"problem": "2+2?", "answer": "4", "generations": ["<think>z</think> 5"], "correctness_math_verify": [False]},
+    {"problem": "3+3?", "answer": "6", "generations": ["<think>w</think> \\boxed{6}", "6"],
+     "correctness_math_verify": [True, True]},
+]
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet"])
+def test_first_verified_candidate_trace_is_the_completion(tmp_path, form):
+    path = tmp_path / f"openr1.{form}"
+    if form == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in OPENR1))
+    else:
+        datasets.Dataset.from_list(OPENR1).to_parquet(path)
+    src = DataSource(source=str(path), candidates_field="generations", selection_field="correctness_math_verify")
+    sft = load_sft_dataset(src)
+    chosen = [OPENR1[0]["generations"][1], OPENR1[2]["generations"][0]]  # the second row has no verified trace
+    assert [r["completion"][0]["content"] for r in sft] == chosen
+    assert sft[0]["prompt"] == build_prompt("1+1?")
+    assert preview(src, "sft", rows=3) == sft.to_list()
+    first = DataSource(source=str(path), candidates_field="generations")  # no selection field: the first trace
+    assert load_sft_dataset(first)[1]["completion"][0]["content"] == "<think>z</think> 5"
+    bad = DataSource(source=str(path), candidates_field="generations", selection_field="correctness")
+    with pytest.raises(DataError, match=r"row 1: correctness: missing \(did you mean 'correctness_math_verify'\?\)"):
+        load_sft_dataset(bad)
+
+
+def test_sft_chat_prompts_get_the_same_instruction_as_grpo_and_eval(tmp_path):
+    path = _jsonl(tmp_path, json.dumps({"problem": "What is 1+1?", "answer": "2", "chat": ROWS[0]["chat"]}).encode())
+    sft = load_sft_dataset(DataSource(source=str(path), messages_field="chat"))[0]
+    rl = load_rl_dataset(DataSource(source=str(path)))[0]
+    assert sft["prompt"][-1]["content"].endswith(INSTRUCTION) and rl["prompt"][-1]["content"].endswith(INSTRUCTION)
+
+
+def test_shared_files_in_other_forms(tmp_path):
+    """The real benchmark file, gzipped and as Parquet, loads to the same rows as the plain JSONL."""
+    path = shared_data_file("aime24.jsonl")
+    plain = load_rl_dataset(DataSource(source=str(path)))
+    with gzip.open(tmp_path / "aime24.jsonl.gz", "wb") as f:
+        f.write(path.read_bytes())
+    datasets.load_dataset("json", data_files=str(path), split="train").to_parquet(tmp_path / "aime24.parquet")
+    for other in ("aime24.jsonl.gz", "aime24.parquet"):
+        assert load_rl_dataset(DataSource(source=str(tmp_path / other))).to_list() == plain.to_list()
+    assert len(preview(DataSource(source=str(shared_data_file("train_math_aime.jsonl"))), "rl", rows=3)) == 3

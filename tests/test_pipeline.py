@@ -161,3 +161,115 @@ def test_bad_config_fails_before_any_work(tmp_path):
     out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "sft.learning_rat=1")
     assert out.returncode == 1 and "sft.learning_rat" in out.stderr
     assert not (tmp_path / "tiny").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- before any work
+
+def test_missing_grpo_data_fails_at_validation_not_after_sft(tmp_path):
+    (tmp_path / "grpo.jsonl.gz").write_bytes(b"")
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}",
+                 "--set", f"data.grpo.source={tmp_path / 'grpo.jsnol.gz'}", timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (f"sse-rl run: configs/tiny.yaml: data.grpo: {tmp_path / 'grpo.jsnol.gz'}: no such file (did you mean "
+            "'grpo.jsonl.gz'?)") in out.stderr
+    assert not (tmp_path / "tiny").exists()  # no stage started, no run directory
+
+
+@pytest.mark.parametrize("reward,key,message", [
+    ("{name: math_acuracy}", "grpo.rewards[0].name", "unknown reward 'math_acuracy' (did you mean 'math_accuracy'?)"),
+    ("{name: 'rewards.accuracy:math_acurracy'}", "grpo.rewards[0].name",
+     "module 'rewards.accuracy' has no function 'math_acurracy' (did you mean 'math_accuracy'?)"),
+    ("{name: 'rewards.nope:f'}", "grpo.rewards[0].name", "cannot import module 'rewards.nope'"),
+    ("{name: math_accuracy, kwargs: {timout: 1}}", "grpo.rewards[0].kwargs",
+     "unknown option(s) timout (did you mean 'timeout'?); options: timeout"),
+])
+def test_bad_reward_fails_at_validation(tmp_path, reward, key, message):
+    from pipeline.config import ConfigError, load_config
+    from pipeline.preflight import preflight
+
+    cfg = load_config("configs/tiny.yaml", [f"grpo.rewards=[{reward}]"])
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, "configs/tiny.yaml")
+    assert str(e.value).startswith(f"configs/tiny.yaml: {key}: ") and message in str(e.value)
+
+
+R1_TEMPLATE = (  # DeepSeek-R1-distill's: an assistant turn keeps only the text after </think>
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'assistant' %}{% set c = m['content'] %}{% if '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1] %}{% endif %}<|im_start|>assistant\n{{ c }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["project", "r1"])
+def test_a_chat_template_that_drops_the_reasoning_is_refused_before_sft(tmp_path, template):
+    from pipeline.config import ConfigError, load_config
+    from pipeline.preflight import preflight
+    from tasks.loaders import load_sft_dataset
+    from tasks.sources import DataSource
+    from tasks.tokenizer import conversation_texts, train_tokenizer
+
+    tokenizer = train_tokenizer(conversation_texts(load_sft_dataset(DataSource(limit=50))), vocab_size=300)
+    if template == "r1":
+        tokenizer.chat_template = R1_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tok")
+    cfg = load_config("configs/tiny.yaml", ["model.tokenizer.train=false", f"model.tokenizer.path={tmp_path / 'tok'}",
+                                            "stages=[init, sft]"])
+    if template == "project":
+        preflight(cfg, "configs/tiny.yaml")
+        return
+    with pytest.raises(ConfigError, match=r"^configs/tiny.yaml: model.tokenizer.path: the chat template of \S+ drops "
+                                          r"the reasoning of an assistant turn .*SFT trains on the whole assistant "
+                                          r"turn, reasoning included"):
+        preflight(cfg, "configs/tiny.yaml")
+    preflight(cfg, "configs/tiny.yaml", done={"init": str(tmp_path / "init"), "sft": None})  # SFT finished: not asked
+
+
+# ---------------------------------------------------------------------------------------------------- resume --set
+
+def _failed_run(tmp_path):
+    """A run directory whose init finished and whose sft failed, with a checkpoint, as a crashed run leaves it."""
+    from pipeline.config import load_config
+    from pipeline.orchestrator import prepare_run_dir
+
+    cfg = load_config("configs/tiny.yaml", [f"output_dir={tmp_path}"])
+    run = prepare_run_dir(cfg, cfg.run_dir)
+    run.unlock()
+    run.set_stage("init", "done", output=str(run.stage_dir("init") / "model"))
+    run.set_stage("sft", "failed", error="RuntimeError: boom")
+    (run.stage_dir("sft") / "checkpoint-2").mkdir(parents=True)
+    return run
+
+
+def test_resume_with_set_changes_an_unfinished_stage_and_records_it(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.orchestrator import prepare_run_dir
+
+    run = _failed_run(tmp_path)
+    cfg = load_config(run.config_path, ["sft.learning_rate=1e-4", "grpo.steps=7"])
+    prepare_run_dir(cfg, run.path, amend=True).unlock()
+    assert load_config(run.config_path) == cfg  # the run continues with the corrected config
+    manifest = run.manifest()
+    (change,) = manifest["config_changes"]
+    assert change["changes"] == {"grpo.steps": {"from": 40, "to": 7}, "sft.learning_rate": {"from": 1.5e-3, "to": 1e-4}}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", change["time"])
+    assert manifest["stages"]["init"]["state"] == "done" and (run.stage_dir("sft") / "checkpoint-2").is_dir()
+
+
+def test_resume_with_set_refuses_a_key_of_a_finished_stage(tmp_path):
+    run = _failed_run(tmp_path)
+    before = run.config_path.read_text()
+    out = sse_rl("resume", str(run.path), "--set", "model.tokenizer.vocab_size=300", "--set", "sft.max_steps=3",
+                 timeout=120)
+    assert out.returncode == 1
+    assert "cannot change model.tokenizer.vocab_size belongs to stage init, which is finished" in out.stderr
+    assert "sft.max_steps" not in out.stderr  # sft is not finished: that change alone would be accepted
+    assert run.config_path.read_text() == before and "config_changes" not in run.manifest()
+    assert run.manifest()["stages"]["init"]["state"] == "done" and (run.stage_dir("sft") / "checkpoint-2").is_dir()
+
+
+def test_resume_with_set_validates_the_corrected_config_before_anything_runs(tmp_path):
+    run = _failed_run(tmp_path)
+    out = sse_rl("resume", str(run.path), "--set", f"data.grpo.source={tmp_path / 'missing.jsonl'}", timeout=120)
+    assert out.returncode == 1
+    assert f"{run.config_path}: data.grpo: {tmp_path / 'missing.jsonl'}: no such file" in out.stderr
+    assert "config_changes" not in run.manifest()

@@ -506,3 +506,74 @@ def test_metrics_line_cut_off_by_a_kill_is_skipped(tmp_path):
     assert [(row["step"], row["loss"]) for row in run.read_metrics("sft")] == [(1, 1.0), (2, 2.0)]
     run.drop_metrics_after("sft", 1)  # what a resume from checkpoint-1 does
     assert [row["step"] for row in run.read_metrics("sft")] == [1]
+
+
+# ---------------------------------------------------------------------------------------------------- failing rewards
+
+def _always_raises(prompts, completions, **kwargs):
+    raise ZeroDivisionError("division by zero")
+
+
+def _fails_on_two_of_five(prompts, completions, **kwargs):
+    if completions[0].startswith("bad"):
+        raise ValueError("bad completion")
+    return [1.0] * len(completions)
+
+
+def test_a_reward_that_keeps_failing_stops_the_stage_with_a_named_error():
+    """A failing reward scores 0 and is counted; one that fails on more than max_share of the completions for
+    `steps` batches in a row raises RewardsFailing out of the reward call, which ends TRL's step and the stage."""
+    import types
+
+    import rewards
+
+    rewards.register("test_always_raises")(_always_raises)
+    (broken,), _ = rewards.build_rewards(["test_always_raises"], failure_limit=rewards.FailureLimit(0.5, 3))
+    state = types.SimpleNamespace(global_step=0)
+    for step in range(2):
+        state.global_step = step
+        assert broken(["p"] * 4, ["c"] * 4, trainer_state=state) == [0.0] * 4  # scored 0, counted, training goes on
+    state.global_step = 2
+    with pytest.raises(rewards.RewardsFailing, match=r"^reward 'test_always_raises' failed on more than 50% of the "
+                       r"completions in 3 rollout batches in a row \(4/4 at step 1, 4/4 at step 2, 4/4 at step 3\); "
+                       r"last failure: raised ZeroDivisionError: division by zero \(error\)\. .*grpo.reward_failure"):
+        broken(["p"] * 4, ["c"] * 4, trainer_state=state)
+
+    # At or under the share, or with a good batch in between, it never stops.
+    rewards.register("test_fails_on_two_of_five")(_fails_on_two_of_five)
+    (some,), _ = rewards.build_rewards(["test_fails_on_two_of_five"], failure_limit=rewards.FailureLimit(0.5, 2))
+    for _ in range(5):
+        assert some(["p"] * 5, ["bad", "bad", "ok", "ok", "ok"]) == [0.0, 0.0, 1.0, 1.0, 1.0]
+    for batch in (["bad"] * 4, ["ok"] * 4, ["bad"] * 4, ["ok"] * 4):
+        some(["p"] * 4, batch)
+    (unlimited,), _ = rewards.build_rewards(["test_always_raises"])  # failure_limit None: never stops
+    for _ in range(5):
+        assert unlimited(["p"], ["c"]) == [0.0]
+
+
+def test_the_grpo_stage_stops_on_a_failing_reward_by_default():
+    """On by default (grpo.reward_failure), configurable, null turns it off."""
+    from pipeline.config import load_config
+
+    assert load_config("configs/tiny.yaml").grpo.reward_failure.max_share == 0.5
+    cfg = load_config("configs/tiny.yaml", ["grpo.reward_failure={max_share: 0.9, steps: 5}"])
+    assert (cfg.grpo.reward_failure.max_share, cfg.grpo.reward_failure.steps) == (0.9, 5)
+    assert load_config("configs/tiny.yaml", ["grpo.reward_failure=null"]).grpo.reward_failure is None
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_always_raises_ends_failed(tmp_path):
+    """End to end (init and GRPO on the tiny config, real Ray, TRL and vLLM): the run ends failed with a non-zero
+    exit and the named error, not `done` with reward 0."""
+    (tmp_path / "boom_reward.py").write_text("def boom(prompts, completions, **kwargs):\n    return 1 / 0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("sse-rl")), "run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}",
+         "--set", "stages=[init, grpo]", "--set", "grpo.steps=4", "--set", "grpo.rewards=[{name: 'boom_reward:boom'}]",
+         "--set", "grpo.reward_failure={max_share: 0.5, steps: 2}", "--set", "data.sft.generator.num_examples=200"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "stage grpo failed: RewardsFailing: reward 'boom' failed on more than 50% of the completions in 2 " \
+           "rollout batches in a row" in out.stderr
+    manifest = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
+    assert manifest["stages"]["grpo"]["state"] == "failed" and "RewardsFailing" in manifest["stages"]["grpo"]["error"]

@@ -6,6 +6,7 @@ import os
 from eval.metrics import paired_change
 from eval.runner import build_llm, evaluate, per_problem_accuracy
 from eval.state import state_report
+from pipeline.config import eval_datasets
 from pipeline.rollouts import engine_dtype, set_cpu_kv_cache
 
 
@@ -31,13 +32,13 @@ def run(cfg, run_dir, model_path) -> dict:
 
         out = run_dir.stage_dir("eval") if cfg.eval.models == ["last"] else run_dir.stage_dir("eval") / label
         dirs[label] = out
-        scores[label] = evaluate(engine, cfg.data.eval, out, n=e.n, temperature=e.temperature, top_p=e.top_p,
+        scores[label] = evaluate(engine, eval_datasets(cfg), out, n=e.n, temperature=e.temperature, top_p=e.top_p,
                                  max_tokens=e.max_tokens, seed=cfg.seed, limit=e.limit, model_name=path,
                                  progress=progress)
         prefix = "" if label == "last" else f"{label}/"
         run_dir.log_metrics("eval", 0, {f"{prefix}{name}/{key}": value for name, m in scores[label].items()
                                         for key, value in m.items() if isinstance(value, (int, float))})
-        state = state_report(path, cfg.data.eval, out, e.state_problems) if e.state_problems else None
+        state = state_report(path, eval_datasets(cfg), out, e.state_problems) if e.state_problems else None
         if state:
             run_dir.log_metrics("eval", 0, {f"{prefix}{name}/state_entropy/{layer}/{p}": round(h, 4)
                                             for name, layers in state.items() for layer, row in enumerate(layers)

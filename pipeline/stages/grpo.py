@@ -8,6 +8,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
+from pipeline.config import eval_datasets
 from pipeline.faults import fault_point
 from pipeline.rollouts import engine_kwargs, set_cpu_kv_cache
 from pipeline.training import (
@@ -50,7 +51,7 @@ class PeriodicEval(TrainerCallback):
         generation.sync_weights()
         mark_weights_loaded(self.trainer, state.global_step)
         e = self.cfg.eval
-        results = evaluate(generation.llm, self.cfg.data.eval, self.run_dir.stage_dir("grpo") /
+        results = evaluate(generation.llm, eval_datasets(self.cfg), self.run_dir.stage_dir("grpo") /
                            f"eval-step-{state.global_step}", n=e.n, temperature=e.temperature, top_p=e.top_p,
                            max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit)
         self.run_dir.log_metrics("grpo", state.global_step,
@@ -67,7 +68,8 @@ def run(cfg, run_dir, model_path) -> dict:
     resume = resume_checkpoint(run_dir, "grpo")
     if resume is None:  # a resumed stage keeps the row its first attempt logged
         run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
-    funcs, weights = rewards.build_rewards(g.rewards)
+    limit = g.reward_failure and rewards.FailureLimit(g.reward_failure.max_share, g.reward_failure.steps)
+    funcs, weights = rewards.build_rewards(g.rewards, failure_limit=limit)
     args = GRPOConfig(**common_training_args(cfg, g, out), max_steps=g.steps, reward_weights=weights)
     parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
         f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)

@@ -19,7 +19,8 @@ from pipeline.trl_seams import (
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
 )
-from tasks.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
+from tasks.loaders import DataError, is_code_sequence, load_sft_dataset, tokenize_codes
+from tasks.prompts import sft_template_problem
 
 
 class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
@@ -35,6 +36,8 @@ def run(cfg, run_dir, model_path) -> dict:
     dataset = load_sft_dataset(cfg.data.sft)
     if is_code_sequence(cfg.data.sft):  # no chat template: TRL takes the tokens and completion mask as they are
         dataset = tokenize_codes(dataset, tokenizer)
+    elif problem := sft_template_problem(tokenizer):  # checked before the run too (pipeline/preflight.py)
+        raise DataError(f"{model_path}: the tokenizer's chat template {problem}")
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     w = s.token_weights  # SILA's token-weighted loss; None: off
     weighting = None if w is None else TokenWeighting(reference=w.reference or cfg.convert.source,
