@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import yaml
 
 from tasks import retrieval
+from tasks.files import write_atomic
 from tasks.sources import BENCHMARKS, DataSource, GeneratorSettings, describe
 
 Stage = Literal["init", "convert", "sft", "grpo", "eval"]
@@ -305,7 +306,7 @@ def _plain(value):
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(resolve(cfg), sort_keys=False))
+    write_atomic(path, yaml.safe_dump(resolve(cfg), sort_keys=False))  # a resume reads it: never half-written
 
 
 class _Invalid(Exception):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pipeline.config import Config, config_from_dict, resolve, save_config
 from pipeline.console import Console, output_to
-from pipeline.rundir import RunDir, write_atomic
+from pipeline.rundir import RunDir
+from tasks.files import write_atomic
 
 TRAINING_STAGES = ("sft", "grpo")
 MODEL_STAGES = ("init", "convert", "sft", "grpo")  # stages whose output is the next stage's model
@@ -158,9 +159,7 @@ def prepare_run_dir(cfg: Config, run_path: Path) -> RunDir:
     run_dir.create()
     run_dir.lock()
     if not run_dir.config_path.exists():
-        staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
-        save_config(cfg, staging)
-        os.replace(staging, run_dir.config_path)
+        save_config(cfg, run_dir.config_path)
     return run_dir
 
 
