@@ -296,17 +296,3 @@ def recall_report(results: dict) -> list[str]:
                   "| accuracy | " + " | ".join(f"{pct(b[1])} ({b[2]})" for b in buckets) + " |", ""]
     return lines
 
-
-def build_llm(model: str, *, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
-              gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, enforce_eager: bool = False,
-              state_dtype: str = "auto"):
-    """A vLLM engine for a checkpoint directory (or Hub id). On the CPU build, gpu_memory_utilization is a
-    fraction of RAM; VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size instead. `state_dtype`: how an SSE
-    model's states are stored (vLLM's mamba_ssm_cache_dtype; "auto" is int16 fixed point for a 16-bit engine,
-    float32 for a float32 one)."""
-    from vllm import LLM
-
-    return LLM(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,
-               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-               enforce_eager=enforce_eager, mamba_ssm_cache_dtype=state_dtype)
-
