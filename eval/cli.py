@@ -1,10 +1,13 @@
 """`sse-rl eval`: avg@k evaluation of a checkpoint through vLLM (see eval/runner.py and docs/rewards-and-eval.md)."""
 import argparse
+import dataclasses
 import functools
 import logging
 import sys
+import typing
 
-from eval.runner import build_llm, evaluate, markdown_report
+from eval.engine import EngineDtype, EvalEngineSettings, StateDtype, build_llm
+from eval.runner import evaluate, markdown_report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,17 +26,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems of each dataset")
     p.add_argument("--batch-problems", type=int, default=64, help="problems per generate call (and per save)")
     p.add_argument("--grading-timeout", type=float, default=5.0, help="seconds per answer check")
+    # The engine options are eval.vllm's settings (eval/engine.py), with their defaults.
+    default = EvalEngineSettings()
     engine = p.add_argument_group("vLLM engine")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="on the CPU build: a fraction of RAM (or set VLLM_CPU_KVCACHE_SPACE in GiB)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
-    engine.add_argument("--enforce-eager", action="store_true", help="no compilation or CUDA graphs (starts faster)")
-    engine.add_argument("--state-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    engine.add_argument("--dtype", choices=typing.get_args(EngineDtype), default=default.dtype,
+                        help="auto: the checkpoint's")
+    engine.add_argument("--max-model-len", type=int, default=default.max_model_len,
+                        help="context length (default: the model's max_position_embeddings)")
+    engine.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs,
+                        help="sequences decoded together (default: vLLM's)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
+                        help="on the CPU build: a fraction of RAM, unless --kv-cache-gib is given")
+    engine.add_argument("--kv-cache-gib", type=int, default=default.kv_cache_gib,
+                        help="KV cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=default.tensor_parallel_size)
+    engine.add_argument("--enforce-eager", action="store_true", default=default.enforce_eager,
+                        help="no compilation or CUDA graphs (starts faster)")
+    engine.add_argument("--state-dtype", choices=typing.get_args(StateDtype), default=default.state_dtype,
                         help="SSE state storage (vLLM's mamba_ssm_cache_dtype): auto is int16 fixed point for a "
                              "16-bit engine, float32 otherwise; bfloat16 drifts over long generations")
     return p
+
+
+def engine_settings(args: argparse.Namespace) -> EvalEngineSettings:
+    """The engine options, as the eval stage's `eval.vllm` section."""
+    return EvalEngineSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalEngineSettings)})
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -42,10 +59,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         _parser().error("--n, --max-tokens and --batch-problems must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seed = None if args.seed < 0 else args.seed
-    engine = functools.partial(build_llm, args.model, seed=seed or 0, dtype=args.dtype,
-                               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                               state_dtype=args.state_dtype)
+    engine = functools.partial(build_llm, args.model, engine_settings(args), seed=seed or 0)
     results = evaluate(engine, [d.strip() for d in args.datasets.split(",") if d.strip()], args.out, n=args.n,
                        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=seed,
                        limit=args.limit, batch_problems=args.batch_problems, grading_timeout=args.grading_timeout,

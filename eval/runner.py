@@ -24,6 +24,7 @@ from rewards.accuracy import DEFAULT_TIMEOUT_S, grade
 from rewards.retrieval import grade_answer
 from rewards.text import last_boxed
 from tasks import prompts
+from tasks.files import write_atomic
 from tasks.loaders import code_token_ids, load_benchmark
 from tasks.retrieval import TASK_COLUMNS, query_answers
 
@@ -184,7 +185,7 @@ def _check_settings(path: Path, settings: dict):
             raise ValueError(f"{path.parent} holds samples generated with other settings ({'; '.join(changed)}); "
                              "use a new output directory")
     else:
-        _write_atomic(path, json.dumps(settings, indent=2) + "\n")
+        write_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
 def samples_path(out_dir: str | Path, name: str) -> Path:
@@ -215,7 +216,7 @@ def _load_finished(path: Path, n: int) -> dict[str, list[dict]]:
     if unreadable or len(finished) < len(by_id):
         logger.warning("%s: dropping %d unreadable lines and %d incomplete problems; they are generated again",
                        path, unreadable, len(by_id) - len(finished))
-        _write_atomic(path, "".join(json.dumps(s, ensure_ascii=False) + "\n"
+        write_atomic(path, "".join(json.dumps(s, ensure_ascii=False) + "\n"
                                     for samples in finished.values() for s in samples))
     return finished
 
@@ -227,19 +228,13 @@ def _append(path: Path, samples: list[dict]):
         os.fsync(f.fileno())
 
 
-def _write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _write_reports(out: Path, results: dict):
     """metrics.json and results.md, keeping datasets evaluated earlier into the same directory."""
     path = out / "metrics.json"
     merged = json.loads(path.read_text()) if path.exists() else {}
     merged.update(results)
-    _write_atomic(path, json.dumps(merged, indent=2) + "\n")
-    _write_atomic(out / "results.md", markdown_report(merged))
+    write_atomic(path, json.dumps(merged, indent=2) + "\n")
+    write_atomic(out / "results.md", markdown_report(merged))
 
 
 def markdown_report(results: dict) -> str:
@@ -300,18 +295,4 @@ def recall_report(results: dict) -> list[str]:
                   "| position | " + " | ".join(b[0] for b in buckets) + " |", "|" + " --- |" * (len(buckets) + 1),
                   "| accuracy | " + " | ".join(f"{pct(b[1])} ({b[2]})" for b in buckets) + " |", ""]
     return lines
-
-
-def build_llm(model: str, *, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
-              gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, enforce_eager: bool = False,
-              state_dtype: str = "auto"):
-    """A vLLM engine for a checkpoint directory (or Hub id). On the CPU build, gpu_memory_utilization is a
-    fraction of RAM; VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size instead. `state_dtype`: how an SSE
-    model's states are stored (vLLM's mamba_ssm_cache_dtype; "auto" is int16 fixed point for a 16-bit engine,
-    float32 for a float32 one)."""
-    from vllm import LLM
-
-    return LLM(model=model, seed=seed, dtype=dtype, max_model_len=max_model_len,
-               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-               enforce_eager=enforce_eager, mamba_ssm_cache_dtype=state_dtype)
 

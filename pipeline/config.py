@@ -24,7 +24,9 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import yaml
 
+from eval.engine import EngineSettings, EvalEngineSettings
 from tasks import retrieval
+from tasks.files import write_atomic
 from tasks.sources import BENCHMARKS, DataSource, GeneratorSettings, describe
 from tasks.sources import did_you_mean as _did_you_mean
 
@@ -154,22 +156,12 @@ class RewardSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class VLLMSettings:
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gib: int | None = None  # KV cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE, an integer)
-    max_num_seqs: int | None = None
+class VLLMSettings(EngineSettings):
+    """The GRPO rollout engine (TRL's colocated vLLM); the settings it shares with the eval engine are documented
+    in eval/engine.py."""
+
+    gpu_memory_utilization: float = 0.3  # the engine shares the GPU with the trainer
     enable_prefix_caching: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # rollout engine dtype; "auto": model.dtype
-    # vLLM's enforce_eager, for the GRPO and eval engines: no torch.compile (nor CUDA graphs). On the CPU build
-    # each engine start compiles the model with inductor (~22 s on 2 cores with a warm inductor cache, ~60 s
-    # cold; vLLM's AOT cache fails to load it back), and the tiny model decodes no faster compiled.
-    enforce_eager: bool = False
-    # How the engines store SSE states (vLLM's mamba_ssm_cache_dtype): "auto" is int16 fixed point for a 16-bit
-    # engine (half of float32's bytes, within 6e-4 of float64 after 4k decode steps) and float32 for a float32 one.
-    # bfloat16 also halves the bytes but drops updates below a state's last bit: 8-14 % relative error after 4k
-    # steps where a gate keeps memory long (docs/vllm-backend.md, "SSE state"), so its rollouts drift from the
-    # trainer's model as they grow.
-    state_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +231,9 @@ class EvalSettings:
     # State diagnostics (eval/state.py): the singular-value entropy of each SSE partition's state after this many
     # problems of each dataset (prompt + first sample), in the report; 0 turns them off.
     state_problems: int = 8
+    # The eval stage's engine (`sse-rl eval` takes the same settings as options); grpo.eval_every samples with the
+    # rollout engine of grpo.vllm instead.
+    vllm: EvalEngineSettings = field(default_factory=EvalEngineSettings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,7 +331,7 @@ def _plain(value):
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(resolve(cfg), sort_keys=False))
+    write_atomic(path, yaml.safe_dump(resolve(cfg), sort_keys=False))  # a resume reads it: never half-written
 
 
 class _Invalid(Exception):
@@ -594,6 +589,7 @@ def _check(cfg: Config) -> None:
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < trl["top_p"] <= 1, "grpo.top_p", f"must be in (0, 1], got {trl['top_p']}")
     require(bool(cfg.eval.models), "eval.models", "must name at least one model: 'last' or stages before eval")
+    _check_engines(cfg, require)
     for stage in STAGES:
         res = getattr(cfg.resources, stage)
         require(res.num_workers == 1 or stage in ("sft", "grpo"), f"resources.{stage}.num_workers",
@@ -627,6 +623,17 @@ def _check(cfg: Config) -> None:
             require(entry in BENCHMARKS, f"data.eval[{i}]",
                     f"unknown eval set {entry!r}{_did_you_mean(entry, list(BENCHMARKS), show_all=True)}; "
                     "name a benchmark or give a mapping with `source`")
+
+
+def _check_engines(cfg: Config, require) -> None:
+    """The vLLM engines of GRPO (grpo.vllm) and eval (eval.vllm)."""
+    for key, v in (("grpo.vllm", cfg.grpo.vllm), ("eval.vllm", cfg.eval.vllm)):
+        require(0 < v.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization",
+                f"must be in (0, 1], got {v.gpu_memory_utilization}")
+    e = cfg.eval
+    require(e.vllm.max_model_len is None or e.vllm.max_model_len > e.max_tokens, "eval.vllm.max_model_len",
+            f"must exceed eval.max_tokens={e.max_tokens} (the context holds the prompt and the answer), got "
+            f"{e.vllm.max_model_len}", ["eval.max_tokens"])
 
 
 def _check_sila(cfg: Config, require) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pipeline.config import STAGES, Config, config_from_dict, resolve, save_config
 from pipeline.console import Console, output_to
-from pipeline.rundir import RunDir, write_atomic
+from pipeline.rundir import RunDir
+from tasks.files import write_atomic
 
 TRAINING_STAGES = ("sft", "grpo")
 MODEL_STAGES = ("init", "convert", "sft", "grpo")  # stages whose output is the next stage's model
@@ -50,9 +51,9 @@ def execute_stage(stage: str, config: dict, run_path: str, model_path: str | Non
 def limit_cpu_threads(res) -> None:
     """Without a GPU, compute with `num_threads`, by default one thread fewer than the stage's CPUs (at least
     one). OpenMP threads spin-wait for each other, so one that shares its core with Ray's daemons, the driver or
-    an in-process vLLM engine stalls every op (measured on 2 cores: a training step of the tiny model took a
-    steady 1.3 s on one thread and 1.7 to 9.6 s on two). It must happen before an in-process vLLM engine starts:
-    vLLM's CPU worker then freezes the count."""
+    an in-process vLLM engine stalls every op: a step then takes longer, and erratically so, than on fewer
+    threads (the per-step times in a tiny run's metrics.jsonl show it). It must happen before an in-process vLLM
+    engine starts: vLLM's CPU worker then freezes the count."""
     import torch
 
     if not torch.cuda.is_available():
@@ -97,10 +98,11 @@ def quiet_placement_group_cleaner() -> None:
     PlacementGroupCleaner. That detached actor (added by every trainer, with no option to leave it out) asks the
     State API once a second whether the train controller is alive, so that it can remove the controller's placement
     group should the controller die. The State API is served by the dashboard, which a local instance starts
-    without: the full dashboard costs 4 s more at start and ten more processes (~1 GiB) on a 2-core machine. Each
-    poll then fails with "Failed to query Ray Train Controller actor state" (~725 lines per tiny run in the stage
-    logs). The cleaner is moot here anyway: the local instance shares the driver's fate, placement groups included.
-    Only that message is filtered, in that logger; anything else the cleaner says still reaches the logs."""
+    without: the full dashboard would add to every start and run ten more processes beside a small machine's
+    stages. Each poll then fails with "Failed to query Ray Train Controller actor state" (a line a second in the
+    stage logs). The cleaner is moot here anyway: the local instance shares the driver's fate, placement groups
+    included. Only that message is filtered, in that logger; anything else the cleaner says still reaches the
+    logs."""
     import logging
 
     logging.getLogger(CLEANER_LOGGER).addFilter(
@@ -155,9 +157,7 @@ def prepare_run_dir(cfg: Config, run_path: Path, amend: bool = False) -> RunDir:
         if changes:
             run_dir.record_config_change(changes)
         if changes or not run_dir.config_path.exists():
-            staging = run_dir.path / ".config.yaml.partial"  # a resume reads it: never half-written
-            save_config(cfg, staging)
-            os.replace(staging, run_dir.config_path)
+            save_config(cfg, run_dir.config_path)  # written atomically: a resume reads it
     except BaseException:
         run_dir.unlock()
         raise

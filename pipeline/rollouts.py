@@ -10,8 +10,6 @@ TRL's `VLLMGeneration` is kept (its generate() and the trainer's use of it), wit
 - each request gets its own sampling seed derived from (run seed, optimizer step, request index), so a run
   resumed from a checkpoint samples exactly the rollouts an uninterrupted run would have.
 """
-import os
-
 from sse_model.vllm_sync import logprob_parity, push_weights
 
 
@@ -50,22 +48,16 @@ def push_and_check(engine, model, parity_ids: list[int], threshold: float) -> fl
     return drift
 
 
-def set_cpu_kv_cache(v) -> None:
-    """Before an engine starts in this process: the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB),
-    not from an LLM argument, so `grpo.vllm.kv_cache_gib` goes into the environment."""
-    if v.kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_gib)
-
-
-def engine_dtype(cfg) -> str:
-    """grpo.vllm.dtype, "auto" being model.dtype: the checkpoints are float32 under model.fp32_master_weights."""
-    return cfg.model.dtype if cfg.grpo.vllm.dtype == "auto" else cfg.grpo.vllm.dtype
+def engine_dtype(cfg, settings) -> str:
+    """An engine section's dtype (grpo.vllm, eval.vllm), "auto" being model.dtype: the checkpoints are float32
+    under model.fp32_master_weights."""
+    return cfg.model.dtype if settings.dtype == "auto" else settings.dtype
 
 
 def engine_kwargs(cfg, model_path: str) -> dict:
     """`vllm.LLM` arguments for the colocated rollout engine."""
     v, g = cfg.grpo.vllm, cfg.grpo
-    return dict(model=model_path, dtype=engine_dtype(cfg), seed=cfg.seed,
+    return dict(model=model_path, dtype=engine_dtype(cfg, v), seed=cfg.seed,
                 gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
                 enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1,

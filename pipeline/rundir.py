@@ -1,7 +1,7 @@
 """The run directory `runs/<name>/`: resolved config, manifest of stage status, checkpoints, metrics, logs, report.
 
-Every file that a reader may see half-written is written to a temporary name and renamed (os.replace is atomic on
-POSIX), so a kill at any moment leaves either the old or the new version, never a mix.
+Every file that a reader may see half-written is replaced whole (tasks.files.write_atomic), so a kill at any
+moment leaves either the old or the new version, never a mix.
 """
 import fcntl
 import json
@@ -10,26 +10,10 @@ import re
 import time
 from pathlib import Path
 
+from tasks.files import write_atomic
+
 STAGE_STATES = ("pending", "running", "done", "failed")
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -130,10 +114,7 @@ class RunDir:
     def write_progress(self, stage: str, **progress) -> None:
         """`<stage>/progress.json`, which the driver's console reads (pipeline/console.py). Replaced whole by a
         rename, so never read half-written; not fsynced: it is rewritten at every step, and a lost one is harmless."""
-        path = self.stage_dir(stage) / "progress.json"
-        tmp = path.with_name(f".progress.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(progress))
-        os.replace(tmp, path)
+        write_atomic(self.stage_dir(stage) / "progress.json", json.dumps(progress), durable=False)
 
     def read_progress(self, stage: str) -> dict | None:
         try:

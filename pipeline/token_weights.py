@@ -16,13 +16,15 @@ The cache file is keyed by a hash of the examples' token ids and labels, the ref
 sizes and modification times) and the threshold, so a resumed run reads the weights back instead of recomputing.
 """
 import hashlib
-import os
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tasks.files import write_atomic
 
 # Attention probabilities held per layer and head while scoring a batch: batch * T * T stays under this, so long
 # examples go one at a time.
@@ -119,9 +121,9 @@ class TokenWeighting:
         weights = [normalise(w, lab) for w, lab in
                    zip(reference_weights(reference, input_ids, self.threshold), labels)]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".partial-{path.name}")
-        torch.save({"weights": torch.cat(weights), "lengths": torch.tensor([len(w) for w in weights])}, staging)
-        os.replace(staging, path)
+        saved = io.BytesIO()
+        torch.save({"weights": torch.cat(weights), "lengths": torch.tensor([len(w) for w in weights])}, saved)
+        write_atomic(path, saved.getvalue())
         return [w.tolist() for w in weights]
 
     def _load_reference(self, tokenizer, device):

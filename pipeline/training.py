@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
+from pipeline.rundir import CHECKPOINT, RunDir, latest_checkpoint
+from tasks.files import replace_dir
 
 
 class StageCallback(TrainerCallback):
@@ -108,9 +109,7 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
     trainer.save_model(str(staging))  # on every rank: sharded weights are gathered; the main process writes
     if main:
         tokenizer.save_pretrained(str(staging))
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(staging, out)
-        fsync_dir(out.parent)
+        replace_dir(staging, out)
     trainer.accelerator.wait_for_everyone()
     return out
 

@@ -43,8 +43,9 @@ from trl.trainer.utils import ensure_master_addr_port
 
 from pipeline.faults import fault_point
 from pipeline.rollouts import SeededLLM, push_and_check
-from pipeline.rundir import fsync_dir, latest_checkpoint
+from pipeline.rundir import latest_checkpoint
 from pipeline.token_weights import TokenWeightCollator, TokenWeighting
+from tasks.files import replace_dir
 
 
 class NonFiniteLoss(RuntimeError):
@@ -92,10 +93,8 @@ class AtomicCheckpointsMixin:
                 f"{name} could not be written to {staging}: {err}; the partial checkpoint was removed and the "
                 f"last complete one, {last.name if last else 'none yet'}, is kept") from err
         if self.args.should_save:
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-            os.rename(staging / name, run_dir / name)
+            replace_dir(staging / name, run_dir / name)
             staging.rmdir()
-            fsync_dir(run_dir)
             rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=False)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -1,4 +1,5 @@
 """Config loading: shipped configs validate and round-trip; bad configs fail naming the file and the key."""
+import os
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,17 @@ BAD = [
     ("grpo: {max_steps: 2}", "grpo.max_steps: set by the pipeline (from steps)"),
     ("grpo: {vllm_mode: server}", "grpo.vllm_mode: set by the pipeline (the rollout engine is set up from grpo.vllm)"),
     ("eval: {models: []}", "eval.models: must name at least one model: 'last' or stages before eval"),
+    # The eval engine has its own section, eval.vllm: not GRPO's (no prefix caching there)
+    ("eval: {vllm: {max_modle_len: 10}}", "eval.vllm.max_modle_len: unknown key (did you mean 'max_model_len'?)"),
+    ("eval: {vllm: {enable_prefix_caching: true}}", "eval.vllm.enable_prefix_caching: unknown key (valid: "
+     "gpu_memory_utilization, kv_cache_gib, max_num_seqs, dtype, enforce_eager, state_dtype, max_model_len, "
+     "tensor_parallel_size)"),
+    ("eval: {vllm: {dtype: bf16}}", "eval.vllm.dtype: expected one of 'auto', 'float32', 'bfloat16', 'float16', "
+     "got str 'bf16' (did you mean 'bfloat16'?)"),
+    ("eval: {vllm: {gpu_memory_utilization: 1.5}}", "eval.vllm.gpu_memory_utilization: must be in (0, 1], got 1.5"),
+    ("grpo: {vllm: {gpu_memory_utilization: 0}}", "grpo.vllm.gpu_memory_utilization: must be in (0, 1], got 0"),
+    ("eval: {max_tokens: 512, vllm: {max_model_len: 512}}", "eval.vllm.max_model_len: must exceed "
+     "eval.max_tokens=512 (the context holds the prompt and the answer), got 512"),
     ("resources: {eval: {num_workers: 8}}", "resources.eval.num_workers: the eval stage runs as one Ray task; only "
      "sft and grpo spread over several workers, got 8"),
     ("resources: {sft: {num_gpus: 1}}", "resources.sft.num_gpus: GPUs go to a stage with use_gpu: true (then "
@@ -297,36 +309,49 @@ def test_stage_cpu_threads():
     assert load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml").resources.sft.num_threads == 2
 
 
-def test_vllm_enforce_eager_and_state_dtype_reach_the_rollout_and_eval_engines(monkeypatch, tmp_path):
+def test_grpo_vllm_settings_reach_the_rollout_engine():
     """grpo.vllm.enforce_eager (off by default: vLLM's own default; on in the tiny config) and grpo.vllm.state_dtype
-    (vLLM's mamba_ssm_cache_dtype) go to the GRPO engine's arguments and to each eval engine."""
-    import pipeline.stages.evaluate as evaluate
+    (vLLM's mamba_ssm_cache_dtype) go to the GRPO engine's arguments."""
     from pipeline.config import VLLMSettings
     from pipeline.rollouts import engine_kwargs
-    from pipeline.rundir import RunDir
 
     tiny = Path(__file__).parents[1] / "configs" / "tiny.yaml"
-    # evaluate.run sets the process environment for its in-process engines; restored after the test, or every
-    # vLLM engine started later from this process (tests/test_vllm_backend.py's worker) gets the tiny config's cache
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert VLLMSettings().enforce_eager is False
     assert engine_kwargs(load_config(tiny, ["grpo.vllm.enforce_eager=false"]), "m")["enforce_eager"] is False
     assert VLLMSettings().state_dtype == "auto"
     assert engine_kwargs(load_config(tiny), "m")["mamba_ssm_cache_dtype"] == "auto"
     with pytest.raises(ConfigError, match=r"grpo\.vllm\.state_dtype"):
         load_config(tiny, ["grpo.vllm.state_dtype=float16"])  # a long-memory state's sum can pass float16's range
-    cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0", "grpo.vllm.state_dtype=bfloat16"])
+    cfg = load_config(tiny, ["grpo.vllm.state_dtype=bfloat16"])
     assert engine_kwargs(cfg, "m")["enforce_eager"] is True
     assert engine_kwargs(cfg, "m")["mamba_ssm_cache_dtype"] == "bfloat16"
+
+
+def test_the_eval_stage_builds_its_engines_from_eval_vllm_not_grpo_vllm(monkeypatch, tmp_path):
+    import pipeline.stages.evaluate as evaluate
+    from eval.engine import EvalEngineSettings
+    from pipeline.rundir import RunDir
+
+    tiny = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+    grpo = ["grpo.vllm.state_dtype=bfloat16", "grpo.vllm.gpu_memory_utilization=0.2", "grpo.vllm.kv_cache_gib=3",
+            "grpo.vllm.max_num_seqs=8", "grpo.vllm.enforce_eager=false", "grpo.vllm.dtype=bfloat16"]
+    own = ["eval.vllm.state_dtype=float32", "eval.vllm.gpu_memory_utilization=0.6", "eval.vllm.max_model_len=512",
+           "eval.vllm.max_num_seqs=16", "eval.vllm.kv_cache_gib=2"]
+    cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0", *grpo, *own])
     built = []
-    monkeypatch.setattr(evaluate, "build_llm", lambda path, **kwargs: built.append(kwargs))
+    monkeypatch.setattr(evaluate, "build_llm", lambda path, settings, *, seed: built.append((path, settings, seed)))
     monkeypatch.setattr(evaluate, "evaluate", lambda engine, *a, **k: engine() or {})
     monkeypatch.setattr(evaluate, "changes", lambda *a, **k: {})
+    # evaluate.run sets the process environment for its in-process engines; restored after the test, or every
+    # vLLM engine started later from this process (tests/test_vllm_backend.py's worker) gets it
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     run = RunDir(tmp_path / "run")
     run.create()
     evaluate.run(cfg, run, "model")
-    assert [(kwargs["enforce_eager"], kwargs["state_dtype"]) for kwargs in built] == [(True, "bfloat16")]
+    # dtype "auto" is model.dtype (float32 in the tiny config); enforce_eager is the tiny config's eval.vllm
+    assert built == [("model", EvalEngineSettings(
+        dtype="float32", state_dtype="float32", gpu_memory_utilization=0.6, max_model_len=512, max_num_seqs=16,
+        kv_cache_gib=2, enforce_eager=True), cfg.seed)]
 
 
 @pytest.mark.parametrize("installed", [False, True])
@@ -366,3 +391,21 @@ def test_benchmark_names_map_to_local_files(tmp_path):
     assert amc23.source == "/data/amc23.jsonl" and amc23.name == "amc23" and amc23.prompt_field == "problem"
     assert math500 == "math500"  # not mapped: the hub copy
     assert BENCHMARKS["aime24"].source == "HuggingFaceH4/aime_2024"
+
+
+def test_build_llm_passes_every_eval_engine_setting_to_vllm(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from eval.engine import EvalEngineSettings, build_llm
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kwargs: calls.append(kwargs)))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # build_llm sets it: restored after the test
+    settings = EvalEngineSettings(dtype="bfloat16", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.5,
+                                  kv_cache_gib=3, tensor_parallel_size=2, enforce_eager=True, state_dtype="float32")
+    build_llm("ckpt", settings, seed=7)
+    assert calls == [dict(model="ckpt", seed=7, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                          gpu_memory_utilization=0.5, tensor_parallel_size=2, enforce_eager=True,
+                          mamba_ssm_cache_dtype="float32")]
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"  # the CPU build reads the KV cache size from there

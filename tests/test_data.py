@@ -397,3 +397,51 @@ def test_shared_files_in_other_forms(tmp_path):
     for other in ("aime24.jsonl.gz", "aime24.parquet"):
         assert load_rl_dataset(DataSource(source=str(tmp_path / other))).to_list() == plain.to_list()
     assert len(preview(DataSource(source=str(shared_data_file("train_math_aime.jsonl"))), "rl", rows=3)) == 3
+
+
+# ---------------------------------------------------------------------------------------------------- files
+
+def test_write_atomic_replaces_the_whole_file_and_leaves_nothing_beside_it(tmp_path):
+    from tasks.files import write_atomic
+
+    path = tmp_path / "metrics.json"
+    write_atomic(path, "x" * 100_000)
+    write_atomic(path, "é\n")  # text is UTF-8 whatever the locale
+    assert path.read_bytes() == "é\n".encode()
+    write_atomic(path, b"\x00\x01", durable=False)
+    assert path.read_bytes() == b"\x00\x01"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+def test_write_atomic_keeps_the_old_version_when_the_write_fails(tmp_path, monkeypatch):
+    """A write that fails (here the fsync, where a full disk shows) leaves the old file and no temporary one; a
+    file that did not exist is still absent."""
+    import tasks.files
+    from tasks.files import write_atomic
+
+    old, new = tmp_path / "run.json", tmp_path / "new.json"
+    write_atomic(old, "old")
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tasks.files.os, "fsync", disk_full)
+    for path in (old, new):
+        with pytest.raises(OSError, match="No space"):
+            write_atomic(path, "new")
+    assert old.read_text() == "old" and not new.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+    write_atomic(new, "new", durable=False)  # without fsync, the same file system would take it
+    assert new.read_text() == "new"
+
+
+def test_replace_dir_swaps_in_the_complete_directory(tmp_path):
+    from tasks.files import replace_dir
+
+    out, staging = tmp_path / "model", tmp_path / ".partial-model"
+    out.mkdir()
+    (out / "stale.bin").write_text("old")
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")
+    replace_dir(staging, out)
+    assert [p.name for p in out.iterdir()] == ["config.json"] and not staging.exists()

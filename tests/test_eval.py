@@ -146,10 +146,25 @@ def test_the_task_layer_imports_neither_eval_nor_the_pipeline():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.loaders, tasks.prompts, tasks.retrieval, tasks.sources; "
+    code = ("import sys, tasks.files, tasks.loaders, tasks.prompts, tasks.retrieval, tasks.sources; "
             "print([m for m in sys.modules if m.split('.')[0] in ('eval', 'pipeline')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sse_rl_eval_engine_options_are_the_eval_vllm_settings():
+    """`sse-rl eval`'s engine options build the eval stage's settings class, with its defaults."""
+    from eval.cli import _parser, engine_settings
+    from eval.engine import EvalEngineSettings
+
+    required = ["--model", "m", "--out", "o"]
+    assert engine_settings(_parser().parse_args(required)) == EvalEngineSettings()
+    args = _parser().parse_args(required + [
+        "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.5",
+        "--kv-cache-gib", "3", "--tensor-parallel-size", "2", "--enforce-eager", "--state-dtype", "float32"])
+    assert engine_settings(args) == EvalEngineSettings(
+        dtype="bfloat16", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.5, kv_cache_gib=3,
+        tensor_parallel_size=2, enforce_eager=True, state_dtype="float32")
 
 
 def test_hugging_face_path_offline(tmp_path, monkeypatch):

@@ -369,6 +369,23 @@ def test_overlong_penalty():
     assert default(["p"], ["x"], completion_ids=[[0] * 90]) == [-0.5]
 
 
+def test_overlong_penalty_is_trls_soft_overlong_punishment(monkeypatch):
+    """TRL's reward computes it (not a copy of it here), with max_length as its limit and buffer as its cache."""
+    import rewards.length
+
+    calls = []
+
+    def trl_reward(max_completion_len, soft_punish_cache):
+        calls.append((max_completion_len, soft_punish_cache))
+        return lambda completion_ids: [float(len(ids)) for ids in completion_ids]
+
+    monkeypatch.setattr(rewards.length, "get_soft_overlong_punishment", trl_reward)
+    func = rewards.build_reward("overlong_penalty", {"max_length": 100, "buffer": 30})
+    assert func(["p"], ["x"], completion_ids=[[0] * 7]) == [7.0]
+    assert func(["p"], ["x" * 9], completion_ids=None) == [3.0]  # 9 characters: 3 tokens, rounded up
+    assert calls == [(100, 30), (100, 30)]
+
+
 def sleepy_reward(prompts, completions, **kwargs):
     time.sleep(3600)
 

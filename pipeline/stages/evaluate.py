@@ -1,13 +1,15 @@
 """Stage `eval`: avg@n (and pass@k, maj@n, lengths) on `data.eval` through vLLM with the SSE-H plugin, for the
 newest model of the run or for several stages' models side by side (`eval.models`). Resumes without
 regenerating finished problems."""
+import dataclasses
 import os
 
+from eval.engine import build_llm
 from eval.metrics import paired_change
-from eval.runner import build_llm, evaluate, per_problem_accuracy
+from eval.runner import evaluate, per_problem_accuracy
 from eval.state import state_report
 from pipeline.config import eval_datasets
-from pipeline.rollouts import engine_dtype, set_cpu_kv_cache
+from pipeline.rollouts import engine_dtype
 
 
 def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
@@ -16,16 +18,14 @@ def models_to_score(cfg, run_dir, last_model: str) -> dict[str, str]:
 
 
 def run(cfg, run_dir, model_path) -> dict:
-    e, v = cfg.eval, cfg.grpo.vllm
+    e = cfg.eval
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts in seconds
-    set_cpu_kv_cache(v)
+    settings = dataclasses.replace(e.vllm, dtype=engine_dtype(cfg, e.vllm))
     headline = f"avg@{e.n}"
     scores, dirs = {}, {}
     for label, path in models_to_score(cfg, run_dir, model_path).items():
         def engine(path=path):
-            return build_llm(path, seed=cfg.seed, dtype=engine_dtype(cfg),
-                             gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
-                             state_dtype=v.state_dtype)
+            return build_llm(path, settings, seed=cfg.seed)
 
         def progress(name, done, total, label=label):
             run_dir.write_progress("eval", done=done, total=total, unit="problem", what=f"{label} {name}")

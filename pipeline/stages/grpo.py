@@ -8,9 +8,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 import rewards
 import sse_model  # noqa: F401  (registers sse_hybrid with the Auto classes)
+from eval.engine import set_cpu_kv_cache
 from pipeline.config import eval_datasets
 from pipeline.faults import fault_point
-from pipeline.rollouts import engine_kwargs, set_cpu_kv_cache
+from pipeline.rollouts import engine_kwargs
 from pipeline.training import (
     StageCallback,
     common_training_args,

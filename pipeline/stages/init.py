@@ -5,7 +5,6 @@
 - pretrained: an existing `sse_hybrid` checkpoint at `model.path`, checked, used in place.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,9 +13,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
-from pipeline.rundir import fsync_dir
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import PRESETS
+from tasks.files import replace_dir
 from tasks.loaders import load_sft_dataset
 from tasks.tokenizer import conversation_texts, train_tokenizer
 
@@ -137,9 +136,7 @@ def run(cfg, run_dir, model_path=None) -> dict:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(staging, out)
-    fsync_dir(out.parent)
+    replace_dir(staging, out)
     n_params = sum(p.numel() for p in model.parameters())
     return {"output": str(out), "summary": f"{n_params / 1e6:.2f}M parameters, "
             f"{config.layer_types.count('linear_attention')}/{config.num_hidden_layers} SSE layers, "
