@@ -16,14 +16,16 @@ from pipeline.training import (
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
+    ShardedStateMixin,
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
+    set_logprob_chunks,
 )
 from tasks.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
 
 
 class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
-                    SFTTrainer):
+                    ShardedStateMixin, SFTTrainer):
     stage = "sft"
 
 
@@ -35,6 +37,7 @@ def run(cfg, run_dir, model_path) -> dict:
     dataset = load_sft_dataset(cfg.data.sft)
     if is_code_sequence(cfg.data.sft):  # no chat template: TRL takes the tokens and completion mask as they are
         dataset = tokenize_codes(dataset, tokenizer)
+    set_logprob_chunks(cfg.trainer.logprob_chunk_tokens, cfg.trainer.logprob_chunk_vocab)
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     w = s.token_weights  # SILA's token-weighted loss; None: off
     weighting = None if w is None else TokenWeighting(reference=w.reference or cfg.convert.source,
