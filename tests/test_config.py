@@ -169,6 +169,14 @@ BAD = [
     ("sft: {warmup_ratio: 1.5}", "sft.warmup_ratio: must be in [0, 1), got 1.5"),
     ("sft: {padding_free: true, max_length: 128}", "sft.max_length: must be null with padding_free and no packing "
      "(TRL truncates nothing then), got 128"),
+    ("trainer: {sharding: zero3}", "trainer.sharding: expected one of 'none', 'fsdp', got str 'zero3'"),
+    ("trainer: {sharding: fsdp}", "trainer.sharding: fsdp shards the trainer state over the sft stage's workers: "
+     "needs resources.sft.num_workers >= 2, got 1"),
+    ("trainer: {sharding: fsdp}\nresources: {sft: {num_workers: 2}, grpo: {num_workers: 2}}\ngrpo: {eval_every: 5}",
+     "grpo.eval_every: cannot be combined with trainer.sharding fsdp: the periodic eval pushes the weights from rank "
+     "0 alone, and gathering sharded weights needs every rank"),
+    ("trainer: {logprob_chunk_vocab: 0}", "trainer.logprob_chunk_vocab: must be at least 1, got 0"),
+    ("sft: {fsdp_config: {version: 2}}", "sft.fsdp_config: set by the pipeline (trainer.sharding)"),
     ("grpo: {num_iterations: 4, save_steps: 10}", "grpo.save_steps: must be a multiple of num_iterations=4 (a "
      "checkpoint between two updates on one rollout batch could not resume exactly), got 10"),
 ]
