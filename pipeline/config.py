@@ -113,6 +113,8 @@ SET_BY_PIPELINE = {
     "per_device_train_batch_size": "from per_device_batch_size",
     "lr_scheduler_type": "from lr_scheduler",
     "warmup_steps": "from warmup_ratio",
+    "fsdp": "trainer.sharding",
+    "fsdp_config": "trainer.sharding",
 }
 
 
@@ -216,6 +218,20 @@ class GRPOSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrainerSettings:
+    """How the SFT and GRPO trainers hold their state and score tokens (docs/configs-and-data.md, "Sharded
+    trainer state and log-probabilities")."""
+
+    # "fsdp": float32 master weights, gradients and Adam state sharded over the stage's workers (FSDP2 through
+    # accelerate); the weight push gathers one parameter at a time. "none": every worker holds all of it (DDP).
+    sharding: Literal["none", "fsdp"] = "none"
+    # TRL's fused LM head scores tokens in [tokens, vocab] tiles of the compute dtype instead of [T, V] float32
+    # logits; the defaults are TRL's.
+    logprob_chunk_tokens: int = 4096
+    logprob_chunk_vocab: int = 32768
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalSettings:
     n: int = 32  # samples per problem (avg@n)
     temperature: float = 1.0
@@ -266,6 +282,7 @@ class Config:
     data: DataSettings = field(default_factory=DataSettings)
     sft: SFTSettings = field(default_factory=SFTSettings)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     resources: ResourceSettings = field(default_factory=ResourceSettings)
 
@@ -586,6 +603,7 @@ def _check(cfg: Config) -> None:
     for name in cfg.eval.benchmarks:
         require(name in BENCHMARKS, f"eval.benchmarks.{name}",
                 f"not a benchmark name{_did_you_mean(name, list(BENCHMARKS), show_all=True)}")
+    _check_trainer(cfg, require)
     require(0 < cfg.eval.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {cfg.eval.top_p}")
     require(0 < trl["top_p"] <= 1, "grpo.top_p", f"must be in (0, 1], got {trl['top_p']}")
     require(bool(cfg.eval.models), "eval.models", "must name at least one model: 'last' or stages before eval")
@@ -656,6 +674,23 @@ def _check_sila(cfg: Config, require) -> None:
     loss = cfg.sft.trl.get("loss_type", "nll")
     require(loss == "nll", "sft.token_weights", f"weights the nll loss only, got loss_type {loss!r}",
             ["sft.loss_type"])
+
+
+def _check_trainer(cfg: Config, require) -> None:
+    """trainer.*: sharding needs workers to shard over, and every rank in each weight gather."""
+    t = cfg.trainer
+    for name in ("logprob_chunk_tokens", "logprob_chunk_vocab"):
+        require(getattr(t, name) >= 1, f"trainer.{name}", f"must be at least 1, got {getattr(t, name)}")
+    if t.sharding == "none":
+        return
+    for stage in ("sft", "grpo"):
+        workers = getattr(cfg.resources, stage).num_workers
+        require(stage not in cfg.stages or workers >= 2, "trainer.sharding", f"{t.sharding} shards the trainer "
+                f"state over the {stage} stage's workers: needs resources.{stage}.num_workers >= 2, got {workers}",
+                [f"resources.{stage}.num_workers"])
+    require("grpo" not in cfg.stages or not cfg.grpo.eval_every, "grpo.eval_every", "cannot be combined with "
+            f"trainer.sharding {t.sharding}: the periodic eval pushes the weights from rank 0 alone, and gathering "
+            "sharded weights needs every rank", ["trainer.sharding"])
 
 
 def _check_task(g: GeneratorSettings, key: str, src_kind: str) -> None:

@@ -2,7 +2,7 @@
 overrides their internals is in pipeline/trl_seams.py).
 
 - `StageCallback`: metrics into the run's metrics.jsonl, progress for the driver's console.
-- `resume_checkpoint`, `save_final_model`, `common_training_args`, `weights_dtype`.
+- `resume_checkpoint`, `save_final_model`, `common_training_args` (with `sharding_args`), `weights_dtype`.
 """
 import math
 import os
@@ -138,5 +138,19 @@ def common_training_args(cfg, stage_cfg, out: Path) -> dict:
         per_device_train_batch_size=stage_cfg.per_device_batch_size,
         lr_scheduler_type=stage_cfg.lr_scheduler,
         warmup_steps=stage_cfg.warmup_ratio,  # transformers 5 takes a ratio here when < 1
+        **sharding_args(cfg),
         **stage_cfg.trl,
     )
+
+
+def sharding_args(cfg) -> dict:
+    """TrainingArguments for `trainer.sharding`. "fsdp": FSDP2 through accelerate, each decoder layer (the model's
+    `_no_split_modules`) a unit of its own, gathered for its forward and backward and resharded after, so a rank
+    holds its 1/N of the float32 weights, gradients and Adam state plus one layer in full; the embeddings, the head
+    and the final norm form the root unit. Checkpoints stay full state dicts (written by rank 0), so a run resumes
+    and exports as an unsharded one does. On CPU, `pipeline.trl_seams.ShardedStateMixin` lets accelerate take it."""
+    if cfg.trainer.sharding == "none":
+        return {}
+    return dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True,
+                                                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                                "state_dict_type": "FULL_STATE_DICT"})

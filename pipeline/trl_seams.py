@@ -27,6 +27,14 @@ Seams (stage in brackets), and what each relies on:
 - `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
   `self.llm` and returns `(prompt_ids, completion_ids, ...)`; the trainer calls `sync_weights()` when the step
   changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`).
+- `ShardedStateMixin` [sft, grpo, only with `trainer.sharding: fsdp`]: transformers builds accelerate's FSDP plugin
+  from `args.fsdp_plugin_args` in `create_accelerator_and_postprocess`, which sets `self.is_fsdp_enabled`; accelerate
+  drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead.
+- `SSEVLLMGeneration.sync_weights` [grpo]: `VLLMGeneration._iter_named_params()` yields the trainer's parameters one
+  at a time, gathered in full under FSDP2 (`full_tensor()`) and named as vLLM expects; every rank must iterate it.
+- `set_logprob_chunks` [sft, grpo]: TRL's fused LM head (`add_fused_lm_head`, which SFTTrainer and GRPOTrainer install
+  on the model) scores tokens in tiles of `trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE` tokens by
+  `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE` vocabulary entries, both module globals read at each call.
 - `log_train_metric` [grpo]: `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log.
 - `mark_weights_loaded` [grpo, periodic eval]: `GRPOTrainer._last_loaded_step`.
 """
@@ -37,6 +45,9 @@ import time
 from pathlib import Path
 
 import torch
+import trl.kernels.chunked_logprob
+import trl.trainer.utils
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers.trainer_utils import rotate_checkpoints
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
@@ -184,6 +195,32 @@ class TokenWeightedLossMixin:
             hook.remove()
 
 
+class ShardedStateMixin:
+    """Mix in before a `transformers.Trainer` subclass: `trainer.sharding` (FSDP2 through accelerate, set up by
+    `pipeline.training.sharding_args`) on CPU ranks as on GPUs. Accelerate enables its FSDP plugin for GPU-like
+    devices only; on CPU gloo ranks it would silently fall back to DDP (every rank the whole state). FSDP2 itself
+    runs on gloo, so the plugin is put back and the trainer prepares the model as it does on GPUs: what the
+    multi-rank CPU tests check is the code path of the GPU run. Without `fsdp` in the arguments nothing changes."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if self.args.fsdp_plugin_args is not None and state.distributed_type == DistributedType.MULTI_CPU:
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            if state.mixed_precision != "no":  # as accelerate does for a GPU
+                plugin.set_mixed_precision(state.mixed_precision)
+            state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+
+def set_logprob_chunks(tokens: int, vocab: int) -> None:
+    """Tile TRL's fused LM head (`trainer.logprob_chunk_tokens` x `trainer.logprob_chunk_vocab`): the SFT loss and
+    GRPO's per-token log-probabilities and entropies are computed from [tokens, vocab] logit tiles in the compute
+    dtype, never the [T, V] float32 logits. One trainer per process, so the process-wide setting is the stage's."""
+    trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE = tokens
+    trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = vocab
+
+
 class OwnRolloutEngineMixin:
     """Mix in before `trl.GRPOTrainer`: rollouts come from `SSEVLLMGeneration` with the engine the pipeline builds
     (`engine`: `vllm.LLM` arguments). TRL would build its own engine when `use_vllm` is set, so the trainer is
@@ -264,9 +301,12 @@ class SSEVLLMGeneration(VLLMGeneration):
         return out
 
     def sync_weights(self):
+        # TRL's iterator gathers one parameter at a time (every rank takes part under FSDP2), and vLLM's layerwise
+        # reload takes them as they come, so no rank ever holds the full model's weights twice.
         started = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        self.log("vllm_parity", push_and_check(self.engine, model, self.parity_ids, self.parity_threshold))
+        self.log("vllm_parity", push_and_check(self.engine, model, self._iter_named_params(), self.parity_ids,
+                                               self.parity_threshold))
         self.log("time/weight_push_s", time.perf_counter() - started)
 
 

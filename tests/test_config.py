@@ -191,6 +191,14 @@ BAD = [
      "candidates_field too"),
     ("data: {sft: {candidates_field: gens, messages_field: m}}", "data.sft.candidates_field: the completion comes "
      "from either candidates_field or messages_field, not both"),
+    ("trainer: {sharding: zero3}", "trainer.sharding: expected one of 'none', 'fsdp', got str 'zero3'"),
+    ("trainer: {sharding: fsdp}", "trainer.sharding: fsdp shards the trainer state over the sft stage's workers: "
+     "needs resources.sft.num_workers >= 2, got 1"),
+    ("trainer: {sharding: fsdp}\nresources: {sft: {num_workers: 2}, grpo: {num_workers: 2}}\ngrpo: {eval_every: 5}",
+     "grpo.eval_every: cannot be combined with trainer.sharding fsdp: the periodic eval pushes the weights from rank "
+     "0 alone, and gathering sharded weights needs every rank"),
+    ("trainer: {logprob_chunk_vocab: 0}", "trainer.logprob_chunk_vocab: must be at least 1, got 0"),
+    ("sft: {fsdp_config: {version: 2}}", "sft.fsdp_config: set by the pipeline (trainer.sharding)"),
     ("grpo: {num_iterations: 4, save_steps: 10}", "grpo.save_steps: must be a multiple of num_iterations=4 (a "
      "checkpoint between two updates on one rollout batch could not resume exactly), got 10"),
 ]

@@ -167,3 +167,38 @@ def test_token_weighted_loss_seam():
     assert "self._signature_columns" in source(Trainer._remove_unused_columns)
     collate = source(DataCollatorForLanguageModeling.torch_call)
     assert 'padding_side="right"' in collate and "self.padding_free" in collate
+
+
+@pytest.mark.parametrize("trainer", [SFTTrainer, GRPOTrainer])
+def test_sharded_state_seam(trainer):
+    """transformers builds accelerate's FSDP plugin from `args.fsdp_plugin_args` in
+    `create_accelerator_and_postprocess` and reads `is_fsdp_enabled` from the state; accelerate enables FSDP for
+    GPU-like devices only, so CPU ranks (MULTI_CPU) need the mixin."""
+    from accelerate import state
+
+    create = source(Trainer.create_accelerator_and_postprocess)
+    assert "self.args.fsdp_plugin_args" in create
+    assert 'self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None' in create
+    assert "DistributedType.MULTI_CPU" not in source(state.AcceleratorState.__init__).split(
+        "self.distributed_type = DistributedType.FSDP")[0].rsplit("elif self.distributed_type in [", 1)[1]
+    assert trainer.create_accelerator_and_postprocess is Trainer.create_accelerator_and_postprocess
+
+
+def test_push_iterator_seam():
+    """`VLLMGeneration._iter_named_params()` yields (vLLM name, full tensor) one parameter at a time, through
+    `full_tensor()` under FSDP2."""
+    assert parameters(VLLMGeneration._iter_named_params) == ["self"]
+    assert "param.full_tensor()" in source(VLLMGeneration._iter_fsdp2_params)
+    assert inspect.isgeneratorfunction(VLLMGeneration._iter_named_params)
+
+
+def test_logprob_chunks_seam():
+    """TRL's fused LM head passes the module global `_CHUNKED_LOGPROB_CHUNK_SIZE` (vocabulary tile) at each call, and
+    its kernel tiles tokens by the module global `TOKEN_CHUNK_SIZE`; both trainers install the head."""
+    import trl.kernels.chunked_logprob as kernel
+    import trl.trainer.utils as utils
+
+    assert "_CHUNKED_LOGPROB_CHUNK_SIZE," in source(utils.add_fused_lm_head)
+    assert (kernel.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE) == (4096, 32768)  # config defaults
+    assert "TOKEN_CHUNK_SIZE" in source(kernel.ChunkedLogProbFunction.forward)
+    assert "add_fused_lm_head(" in source(SFTTrainer.__init__) and "add_fused_lm_head(" in source(GRPOTrainer.__init__)

@@ -19,12 +19,19 @@ from pipeline.training import (
     save_final_model,
     weights_dtype,
 )
-from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
+from pipeline.trl_seams import (
+    AtomicCheckpointsMixin,
+    BalanceLossMixin,
+    OwnRolloutEngineMixin,
+    ShardedStateMixin,
+    mark_weights_loaded,
+    set_logprob_chunks,
+)
 from tasks.loaders import filter_long_prompts, load_rl_dataset
 from tasks.prompts import prompt_token_ids
 
 
-class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, GRPOTrainer):
+class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, ShardedStateMixin, GRPOTrainer):
     """GRPOTrainer whose rollouts come from the pipeline's colocated vLLM engine (pipeline/trl_seams.py)."""
 
     stage = "grpo"
@@ -71,6 +78,7 @@ def run(cfg, run_dir, model_path) -> dict:
         run_dir.log_metrics("grpo", 0, {"prompts": len(dataset), "prompts_skipped_too_long": skipped})
     limit = g.reward_failure and rewards.FailureLimit(g.reward_failure.max_share, g.reward_failure.steps)
     funcs, weights = rewards.build_rewards(g.rewards, failure_limit=limit)
+    set_logprob_chunks(cfg.trainer.logprob_chunk_tokens, cfg.trainer.logprob_chunk_vocab)
     args = GRPOConfig(**common_training_args(cfg, g, out), max_steps=g.steps, reward_weights=weights)
     parity_ids = prompt_token_ids(tokenizer, dataset[0]["prompt"]) + tokenizer.encode(
         f"\\boxed{{{dataset[0]['answer']}}}", add_special_tokens=False)

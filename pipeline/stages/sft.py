@@ -16,15 +16,17 @@ from pipeline.training import (
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
+    ShardedStateMixin,
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
+    set_logprob_chunks,
 )
 from tasks.loaders import DataError, is_code_sequence, load_sft_dataset, tokenize_codes
 from tasks.prompts import sft_template_problem
 
 
 class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
-                    SFTTrainer):
+                    ShardedStateMixin, SFTTrainer):
     stage = "sft"
 
 
@@ -38,6 +40,7 @@ def run(cfg, run_dir, model_path) -> dict:
         dataset = tokenize_codes(dataset, tokenizer)
     elif problem := sft_template_problem(tokenizer):  # checked before the run too (pipeline/preflight.py)
         raise DataError(f"{model_path}: the tokenizer's chat template {problem}")
+    set_logprob_chunks(cfg.trainer.logprob_chunk_tokens, cfg.trainer.logprob_chunk_vocab)
     args = SFTConfig(**common_training_args(cfg, s, out), num_train_epochs=s.epochs, completion_only_loss=True)
     w = s.token_weights  # SILA's token-weighted loss; None: off
     weighting = None if w is None else TokenWeighting(reference=w.reference or cfg.convert.source,
