@@ -4,7 +4,7 @@
 TRL's `VLLMGeneration` is kept (its generate() and the trainer's use of it), with three changes:
 - the engine is built with this project's settings (prefix caching off by default: the hybrid block size
   follows the SSE state size, so caching granularity is thousands of tokens; dtype; KV cache size on CPU);
-- weights go through `sse_model.vllm_sync.push_weights` (vLLM's layerwise reload), not TRL's per-tensor
+- weights go through `sse_model.vllm.sync.push_weights` (vLLM's layerwise reload), not TRL's per-tensor
   `load_weights`, which goes stale silently on the CPU build; after every push a parity probe scores one
   fixed token sequence in vLLM and in the trainer and stops the stage when they drift apart;
 - each request gets its own sampling seed derived from (run seed, optimizer step, request index), so a run
@@ -12,7 +12,7 @@ TRL's `VLLMGeneration` is kept (its generate() and the trainer's use of it), wit
 """
 import os
 
-from sse_model.vllm_sync import logprob_parity, push_weights
+from sse_model.vllm.sync import logprob_parity, push_weights
 
 
 class WeightSyncDrift(RuntimeError):

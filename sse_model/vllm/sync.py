@@ -31,6 +31,8 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
     this returns (push inside the gather context, or pass clones). A missing, unknown or misshapen tensor raises
     ValueError before anything is loaded: a partial push would leave weights stale, a failed one half-loaded.
     """
+    from sse_model.vllm import seams  # here, so that importing this module does not import vLLM
+
     weights = [(name, tensor.detach()) for name, tensor in named_tensors]
     config = llm.llm_engine.model_config.hf_config
     want = expected_shapes(config)
@@ -42,7 +44,7 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
         raise ValueError(f"push_weights needs exactly the model's parameters: missing "
                          f"{sorted(want.keys() - got.keys())}, unknown {sorted(got.keys() - want.keys())}, "
                          f"wrong shape {wrong}")
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    seams.reload_weights(llm, weights)
     if not llm.reset_prefix_cache():
         raise RuntimeError("push_weights: vLLM could not reset its prefix cache (requests still running?); cached "
                            "KV and SSE states from the old weights would be reused")
