@@ -141,8 +141,7 @@ def sse_state_shape(config: SSEConfig, tp_size: int, dtype: torch.dtype) -> tupl
 
     Partition-major: a decode step touches two of a head's N + shared states (its routed and the shared one), and
     the decode kernel reads and writes those faster when each partition's heads lie side by side than when each
-    head's partitions do (the results are identical; the decode kernel is most of a decode step's GPU time:
-    `python -m bench.rollouts`)."""
+    head's partitions do (the results are identical; `python -m bench.rollouts` measures the decode throughput)."""
     return (len(state_groups(config)[0]), config.num_sse_partitions_with_shared, config.sse_num_heads // tp_size,
             kernels.cache_rows(config.sse_key_dim, dtype), config.sse_value_dim)
 
