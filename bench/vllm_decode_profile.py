@@ -89,7 +89,7 @@ def main():
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from sse_model.vllm_engine_config import state_dtype as sse_state_dtype
+    from sse_model.vllm.engine import state_dtype as sse_state_dtype
     from vllm_rollouts import COMMON, PROMPT_TOKENS, configs  # configs() imports sse_model: registers sse_hybrid
 
     path = Path(tempfile.mkdtemp()) / args.model

@@ -104,7 +104,7 @@ def cache_per_sequence(name, config) -> tuple[int, int]:
     from types import SimpleNamespace
 
     from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
-    from sse_model.vllm_engine_config import state_bytes_per_sequence, state_dtype
+    from sse_model.vllm.engine import state_bytes_per_sequence, state_dtype
     kinds = getattr(config, "layer_types", None) or [ATTENTION_LAYER] * config.num_hidden_layers
     engine = {**dict(mamba_ssm_cache_dtype="auto", mamba_cache_dtype="auto"), **MODEL_ENGINE.get(name, {})}
     dtype = state_dtype(SimpleNamespace(**engine), torch.bfloat16)  # the engines run bf16

@@ -19,7 +19,7 @@ bash "$first/install.sh" "$@" >/dev/null
 dist="$site/sse_rl-0.0.dist-info"
 mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: sse-rl\nVersion: 0.0\n' > "$dist/METADATA"
-printf '[vllm.general_plugins]\nsse_model = sse_model.vllm_plugin:register\n' > "$dist/entry_points.txt"
+printf '[vllm.general_plugins]\nsse_model = sse_model.vllm.plugin:register\n' > "$dist/entry_points.txt"
 cat > "$site/sse-rl.env" <<EOF
 export PYTHONPATH=$site:$repo\${PYTHONPATH:+:\$PYTHONPATH}
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1

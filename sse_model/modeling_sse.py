@@ -190,7 +190,7 @@ def recomputed_when_saved(recipes: list[tuple[torch.Tensor, Callable[[], torch.T
 
 def float32_router(x, weight):
     """Router logits F.linear(x, W) in float32 (float64 for float64 inputs), whatever the model's dtype and
-    autocast; vLLM's SSE layer computes the same (`vllm_model.SSELinearAttention.router`).
+    autocast; vLLM's SSE layer computes the same (`sse_model.vllm.model.SSELinearAttention.router`).
 
     Why: a top-1 choice between near-tied logits flips when the logits are rounded to bf16, and the trainer and the
     engine round different near ties differently (their inputs differ in the last bits), after which the token's

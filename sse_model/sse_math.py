@@ -1,5 +1,5 @@
 """The SSE layer's elementwise math around the operator (docs/model.md, "The layer"), written once for the HF model
-(`modeling_sse.SSELayer`) and the vLLM model (`vllm_model.SSELinearAttention`), whose projections differ
+(`modeling_sse.SSELayer`) and the vLLM model (`sse_model.vllm.model.SSELinearAttention`), whose projections differ
 (`nn.Linear` against vLLM's parallel linear layers) but must feed the operator and the output the same values.
 The decay's log a = logsigmoid(x) / normaliser is the operators' own step (`kernels.sse.log_decay_from_logits`,
 fused in the Triton paths): both models pass x."""

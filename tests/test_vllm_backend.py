@@ -78,9 +78,9 @@ def _serve(read_fd: int, write_fd: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.model_loader.reload import meta
 
-    from sse_model import vllm_model
-    from sse_model.vllm_plugin import register
-    from sse_model.vllm_sync import logprob_parity, push_weights
+    from sse_model.vllm import model as vllm_model
+    from sse_model.vllm.plugin import register
+    from sse_model.vllm.sync import logprob_parity, push_weights
 
     # A reload materialises parameters uninitialised; make them NaN, so an element no loader writes (a zero bias
     # of a stacked projection, the zeros of a block-diagonal weight, padding) fails the parity checks every time
@@ -170,7 +170,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
         """`check_servable` on the engine's config with fields set past SSEConfig's own checks."""
         from vllm.config import set_current_vllm_config
 
-        from sse_model.vllm_model import check_servable
+        from sse_model.vllm.model import check_servable
         vllm_config = engines[name].llm_engine.vllm_config
         config = copy.deepcopy(vllm_config.model_config.hf_config)
         for key, value in overrides.items():
@@ -182,10 +182,10 @@ def _serve(read_fd: int, write_fd: int) -> None:
         from vllm import ModelRegistry
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-        from sse_model.vllm_engine_config import SSEEngineConfig
+        from sse_model.vllm.engine import verify_and_update_config
         register(), register()  # idempotent
         return ("SSEForCausalLM" in ModelRegistry.get_supported_archs()
-                and MODELS_CONFIG_MAP["SSEForCausalLM"] is SSEEngineConfig)
+                and MODELS_CONFIG_MAP["SSEForCausalLM"].verify_and_update_config is verify_and_update_config)
 
     def cache_groups(name):
         runner = engines[name].llm_engine.model_executor.driver_worker.model_runner
@@ -203,7 +203,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
         nothing; returns the manager classes and modes."""
         from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
-        from sse_model.vllm_state_cache import SSEAttentionManager, SSEStatesManager
+        from sse_model.vllm.seams import SSEAttentionManager, SSEStatesManager
         counts = checks.setdefault(name, dict(fast=0, disagreed=0, attention_fast=0, attention_disagreed=0))
 
         def checked(m, method, ours, theirs, fast, key):
@@ -386,7 +386,7 @@ def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
     """vLLM 0.25's sampler imports flashinfer unless VLLM_USE_FLASHINFER_SAMPLER=0; the plugin sets that default
     where flashinfer is not installed, and never overrides a user's setting."""
     import importlib.util
-    code = ("import os; from sse_model.vllm_plugin import register; register(); "
+    code = ("import os; from sse_model.vllm.plugin import register; register(); "
             "print(os.environ.get('VLLM_USE_FLASHINFER_SAMPLER'))")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -398,10 +398,10 @@ def test_plugin_turns_the_flashinfer_sampler_off_only_without_flashinfer():
 
 
 def test_model_inspection_needs_no_subprocess(tmp_path):
-    """vLLM inspects a lazily registered model class in a fresh Python subprocess the first time on a machine
-    (25-27 s of a fresh GPU node's engine start); the plugin registers the class itself, so with an empty vLLM
-    cache the inspection runs in-process and says the model is a hybrid with inner state."""
-    code = ("from vllm.model_executor.models import registry; from sse_model.vllm_plugin import register; "
+    """vLLM inspects a lazily registered model class in a fresh Python subprocess the first time on a machine (a
+    Python start and a vLLM import in a fresh node's first engine start); the plugin registers the class itself, so
+    with an empty vLLM cache the inspection runs in-process and says the model is a hybrid with inner state."""
+    code = ("from vllm.model_executor.models import registry; from sse_model.vllm.plugin import register; "
             "register()\n"
             "def refuse(fn): raise AssertionError('model inspection started a subprocess')\n"
             "registry._run_in_subprocess = refuse\n"
@@ -435,11 +435,11 @@ def no_runner_choice(monkeypatch):
 
 def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(monkeypatch):
     """vLLM refuses to start a hybrid whose max_num_seqs exceeds its state slots (full decode CUDA graphs); at its
-    H100 default of 1024 a 1B-class SSE-H did not start (bench/results/vllm_rollouts_1b_*). The hook lowers it to
+    GPU default of 1024 a 1B-class SSE-H did not start (`python -m bench.rollouts`). The hook lowers it to
     what the cache holds: a sequence of a hybrid takes one block of states and at least one of attention."""
     from vllm.platforms import current_platform
 
-    from sse_model import vllm_engine_config as hook
+    from sse_model.vllm import engine as hook
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
     no_runner_choice(monkeypatch)
@@ -449,34 +449,34 @@ def test_engine_defaults_lower_max_num_seqs_to_the_sequences_whose_states_fit(mo
     # partitions + shared, each state's 128 rows and four rows of column scales and maxima
 
     vllm_config = engine_config(layers * 4)
-    hook.SSEEngineConfig.verify_and_update_config(vllm_config)
+    hook.verify_and_update_config(vllm_config)
     weights = hook.weight_bytes(vllm_config.model_config.hf_config, torch.bfloat16)
     budget = (80 << 30) * 0.9 * (1 - hook.RESERVED_FRACTION) - weights
     assert vllm_config.scheduler_config.max_num_seqs == int(budget) // state // 2 < 1024
 
     fits = engine_config(layers * 4, max_num_seqs=64)  # already fits: left alone
-    hook.SSEEngineConfig.verify_and_update_config(fits)
+    hook.verify_and_update_config(fits)
     assert fits.scheduler_config.max_num_seqs == 64
     blocks = engine_config(layers * 4, num_gpu_blocks_override=10)  # two blocks per sequence
-    hook.SSEEngineConfig.verify_and_update_config(blocks)
+    hook.verify_and_update_config(blocks)
     assert blocks.scheduler_config.max_num_seqs == 5
     pure = engine_config([S] * 4, kv_cache_memory_bytes=100 * 4 * 2 * 16 * 5 * 132 * 128)  # one block each
-    hook.SSEEngineConfig.verify_and_update_config(pure)
+    hook.verify_and_update_config(pure)
     assert pure.scheduler_config.max_num_seqs == 100
     transformer = engine_config([A] * 4)  # no states: vLLM's own default stands
-    hook.SSEEngineConfig.verify_and_update_config(transformer)
+    hook.verify_and_update_config(transformer)
     assert transformer.scheduler_config.max_num_seqs == 1024
 
     half = engine_config(layers * 4, mamba_ssm_cache_dtype="bfloat16")  # bfloat16 states: no scale rows
-    hook.SSEEngineConfig.verify_and_update_config(half)
+    hook.verify_and_update_config(half)
     assert half.scheduler_config.max_num_seqs == int(budget) // (state * 128 // 132) // 2
     f32 = engine_config(layers * 4, mamba_ssm_cache_dtype="float32")  # float32 states: about half the sequences
-    hook.SSEEngineConfig.verify_and_update_config(f32)
+    hook.verify_and_update_config(f32)
     assert f32.scheduler_config.max_num_seqs == int(budget) // (state * 2 * 128 // 132) // 2
 
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
     cpu = engine_config(layers * 4, num_gpu_blocks_override=10)  # the CPU build runs no CUDA graphs
-    hook.SSEEngineConfig.verify_and_update_config(cpu)
+    hook.verify_and_update_config(cpu)
     assert cpu.scheduler_config.max_num_seqs == 1024
 
 
@@ -486,20 +486,20 @@ def test_engine_defaults_choose_vllms_v2_model_runner_on_a_gpu(monkeypatch):
     the CPU build is left alone."""
     from vllm.platforms import current_platform
 
-    from sse_model import vllm_engine_config as hook
+    from sse_model.vllm import engine as hook
     monkeypatch.setattr(type(current_platform), "get_device_total_memory", lambda *_: 80 << 30)
     no_runner_choice(monkeypatch)
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: False)
-    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
+    hook.verify_and_update_config(engine_config([S, S, A]))
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda *_: True)
     colocated = engine_config([S, S, A])
     colocated.parallel_config.distributed_executor_backend = "external_launcher"
-    hook.SSEEngineConfig.verify_and_update_config(colocated)
+    hook.verify_and_update_config(colocated)
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    hook.SSEEngineConfig.verify_and_update_config(engine_config([S, S, A]))
+    hook.verify_and_update_config(engine_config([S, S, A]))
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
@@ -513,7 +513,7 @@ def test_state_dtype_follows_vllms_recurrent_state_knobs(ssm, cache, model, dtyp
     one (whose outputs the CPU tests compare with the HF model's to 1e-4)."""
     from types import SimpleNamespace
 
-    from sse_model.vllm_engine_config import state_dtype
+    from sse_model.vllm.engine import state_dtype
     config = SimpleNamespace(mamba_ssm_cache_dtype=ssm, mamba_cache_dtype=cache)
     if dtype is None:
         with pytest.raises(ValueError, match="SSE states support mamba_ssm_cache_dtype"):
@@ -532,7 +532,7 @@ def test_stacked_projection_shards_under_tensor_parallelism(monkeypatch, tp, ran
     import vllm.model_executor.parameter as parameter
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from sse_model import vllm_model
+    from sse_model.vllm import model as vllm_model
     for module in (linear, parameter, vllm_model):
         monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: tp)
     for module in (linear, parameter):
@@ -571,7 +571,7 @@ def test_stacked_projection_shards_under_tensor_parallelism(monkeypatch, tp, ran
 def test_plugin_entry_point_and_idempotent_registration(worker):
     from importlib.metadata import entry_points
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("sse_model") == "sse_model.vllm_plugin:register"
+    assert plugins.get("sse_model") == "sse_model.vllm.plugin:register"
     assert worker("registry")
 
 
@@ -583,7 +583,7 @@ def test_plugin_entry_point_and_idempotent_registration(worker):
     ([A, A], []),
 ])
 def test_state_groups_one_cache_entry_per_attention_layer(layer_types, groups):
-    from sse_model.vllm_model import state_groups
+    from sse_model.vllm.model import state_groups
     config = SSEConfig(**{**BASE, "layer_types": layer_types, "num_hidden_layers": len(layer_types)})
     assert state_groups(config) == groups
 
@@ -645,7 +645,7 @@ def test_preemption_and_recompute_leave_no_stale_state(worker, hf):
     The engine runs with prefix caching off, as vLLM runs a hybrid on a GPU, so the scheduler's SSEStatesManager
     answers running requests by its fast path, as does SSEAttentionManager: each of those answers is checked against
     vLLM's MambaManager or FullAttentionManager. SSEAttentionManager holds vLLM's own FullAttentionSpec: vLLM 0.25
-    marks new blocks for zeroing by the spec's exact type (scripts/check_vllm_cache_managers.py checks that there)."""
+    marks new blocks for zeroing by the spec's exact type (tests/test_vllm_seams.py checks that there)."""
     name = worker.engine("n8k2_row_sparse")
     managers = worker("check_cache_managers", name)
     assert sorted(managers) == [("SSEAttentionManager", None, "FullAttentionSpec"),
@@ -676,7 +676,7 @@ def test_sampling_n8_requests_never_share_state(worker, hf):
 
 def test_seeded_sampling_is_the_same_however_the_prefill_is_split(worker, hf):
     """The n8k2 engine prefills 16 tokens per step and discards what it samples for a split prefill; vLLM then
-    rewinds the seeded request's generator (CUDA generators only: sse_model.vllm_plugin restores CPU ones). A
+    rewinds the seeded request's generator (CUDA generators only: sse_model.vllm.seams restores CPU ones). A
     40-token prompt alone is split 16 + 16 + 8; behind a 30-token prompt, 2 + 15 + 15 + 8. Same seed, same tokens."""
     name = worker.engine("n8k2_row_sparse")
     first, prompt, last = prompts_for(hf[name].config.vocab_size, lengths=(30, 40, 21), seed=4)

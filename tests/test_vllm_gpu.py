@@ -101,7 +101,7 @@ def engine(checkpoint):
     vllm_config = llm.llm_engine.vllm_config
     RESULTS["cudagraph_mode"] = str(vllm_config.compilation_config.cudagraph_mode)
     RESULTS["model_runner"] = "V2" if vllm_config.use_v2_model_runner else "V1"
-    from sse_model.vllm_engine_config import state_dtype
+    from sse_model.vllm.engine import state_dtype
     RESULTS["default_state_dtype"] = str(state_dtype(vllm_config.cache_config, vllm_config.model_config.dtype))
     yield llm
     del llm
@@ -275,7 +275,7 @@ def test_sampled_kl_against_a_float32_master_trainer(engine, hf, master, checkpo
 
 
 def test_default_states_are_int16_for_a_bf16_model(engine):
-    """vLLM's "auto" state dtype: a bf16 model's SSE states are int16 fixed point (sse_model/vllm_engine_config.py),
+    """vLLM's "auto" state dtype: a bf16 model's SSE states are int16 fixed point (sse_model/vllm/engine.py),
     so the parity checks above ran on them."""
     assert RESULTS["default_state_dtype"] == "torch.int16", RESULTS["default_state_dtype"]
 

@@ -23,18 +23,24 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in SSEForCausalLM(config).named_parameters()}
 
 
-def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Load a full set of HF-named tensors into `llm` (a `vllm.LLM` serving an SSE-H checkpoint, no request in
     flight) and drop its prefix cache, whose KV and SSE states came from the old weights.
 
-    The iterable is consumed before loading, so tensors gathered on the fly (ZeRO-3, FSDP) must stay valid until
-    this returns (push inside the gather context, or pass clones). A missing, unknown or misshapen tensor raises
-    ValueError before anything is loaded: a partial push would leave weights stale, a failed one half-loaded.
+    A missing, unknown or misshapen tensor raises ValueError before anything is loaded: a partial push would leave
+    weights stale, a failed one half-loaded. With `shapes` ({name: full shape} of what `named_tensors` will yield)
+    the check runs on it and the tensors stream: vLLM's reload processes a layer once its tensors have arrived, so a
+    sharded trainer that gathers one parameter per step of the iterable never holds the whole model gathered, and
+    nothing is gathered (no collective starts) when the check fails. Without it the tensors are collected first.
     """
-    weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+    from sse_model.vllm import seams  # here, so that importing this module does not import vLLM
+
+    if shapes is None:
+        named_tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        shapes = {name: tuple(tensor.shape) for name, tensor in named_tensors}
     config = llm.llm_engine.model_config.hf_config
-    want = expected_shapes(config)
-    got = {name: tuple(tensor.shape) for name, tensor in weights}
+    want, got = expected_shapes(config), dict(shapes)
     if config.tie_word_embeddings:
         got.pop("lm_head.weight", None)  # a state_dict of a tied model may carry it; the embedding is the head
     if got != want:
@@ -42,7 +48,9 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
         raise ValueError(f"push_weights needs exactly the model's parameters: missing "
                          f"{sorted(want.keys() - got.keys())}, unknown {sorted(got.keys() - want.keys())}, "
                          f"wrong shape {wrong}")
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    # A list pickles to an engine in another process; a stream reaches only an in-process one (external launcher)
+    stream = named_tensors if isinstance(named_tensors, list) else ((n, t.detach()) for n, t in named_tensors)
+    seams.reload_weights(llm, stream)
     if not llm.reset_prefix_cache():
         raise RuntimeError("push_weights: vLLM could not reset its prefix cache (requests still running?); cached "
                            "KV and SSE states from the old weights would be reused")

@@ -1,20 +1,20 @@
 """SSE-H for vLLM: Sparse State Expansion layers with per-request state slots, plus paged softmax attention.
 
-Registered out of tree by `sse_model.vllm_plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
+Registered out of tree by `sse_model.vllm.plugin`. Checkpoints are the ones `sse_model.SSEForCausalLM` saves;
 parameter names are the Hugging Face ones except the stacked `qkv_proj` / `gate_up_proj` / `in_proj` / `low_rank_up`
 (`STACKED_PARAMS`).
 
 SSE states live in vLLM's per-request slots, declared by `SSEStates` entries ("mamba-like" `MambaBase` layers): each
 holds the states [layers, N + shared, H, c, d_v] (int16 fixed point for a 16-bit model, float32 for a float32 one,
-bfloat16 on request: `vllm_engine_config.state_dtype`; an int16 state has four more rows, its column scales and
+bfloat16 on request: `engine.state_dtype`; an int16 state has four more rows, its column scales and
 maxima) of a group of SSE layers (`state_groups`), and vLLM allocates, assigns and frees one slot per request,
 exactly as for its linear-attention models (MiniMax, Bailing).
 The math is the one `kernels` operator the HF model uses: `kernels.sse_attention` (chunkwise, varlen over the
 prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one token per request, in place).
+What this file takes from vLLM is its public model API; every reach past it is in `sse_model.vllm.seams`.
 """
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,41 +33,29 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-# Importing the module registers torch.ops.vllm.linear_attention, the opaque custom op (a CUDA-graph splitting
-# op) through which every vLLM linear-attention layer runs its stateful forward; the SSE layer uses it too.
-from vllm.model_executor.layers.mamba.linear import minimax_linear_attn  # noqa: F401
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen2 import Qwen2MLP as SSEMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
-from vllm.utils.torch_utils import async_tensor_h2d
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends.linear_attn import (
-    LinearAttentionBackend,
-    LinearAttentionMetadata,
-    LinearAttentionMetadataBuilder,
-)
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.attention.selector import get_attn_backend
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import kernels
 from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
-from sse_model.vllm_engine_config import state_dtype
-from sse_model.vllm_state_cache import SSEAttentionSpec, SSEStatesSpec
+from sse_model.vllm import seams
+from sse_model.vllm.engine import state_dtype
+from sse_model.vllm.seams import SSEStateBackend, SSEStateMetadata, SSEStatesSpec
 
 # Prefills run in groups of sequences whose float32 states take at most PREFILL_STATES_BYTES; without a bound a step
-# prefilling hundreds of sequences (the n rollouts of a GRPO batch) needed several GiB per layer outside vLLM's cache
-# (docs/vllm-backend.md, "Prefill memory"). PREFILL_STATE_COPIES per sequence: the initial states read from its slot
-# and the final ones, and two more for the chunk kernels' per-chunk states, which vLLM's memory profile does not see
-# either (for a 256-token prompt they are about four copies' bytes: its partial chunks, float32 sums and bf16
-# states), so that groups stay the size they had before the states moved in one pass.
+# prefilling hundreds of sequences (the n rollouts of a GRPO batch) would hold all their states at once, outside
+# vLLM's cache and its memory profile (docs/vllm-backend.md, "Prefill memory"). PREFILL_STATE_COPIES per sequence:
+# the initial states read from its slot and the final ones, and two more for the chunk kernels' per-chunk states,
+# which vLLM's memory profile does not see either (for a 256-token prompt they are about four copies' bytes: its
+# partial chunks, float32 sums and bf16 states), so that groups stay the size they had before the states moved in
+# one pass.
 PREFILL_STATE_COPIES = 4
 PREFILL_STATES_BYTES = 1 << 30
 
@@ -152,9 +140,8 @@ def sse_state_shape(config: SSEConfig, tp_size: int, dtype: torch.dtype) -> tupl
     rows for int16 states: `kernels.cache_rows`).
 
     Partition-major: a decode step touches two of a head's N + shared states (its routed and the shared one), and
-    an H100 updates those at 2.79 TB/s when each partition's heads lie side by side, against 2.54 TB/s with each
-    head's partitions side by side (float32, batch 256; 9-11 % of the decode kernel's time, results identical;
-    bench/results/sse_decode_state_layout_20261127.md)."""
+    the decode kernel reads and writes those faster when each partition's heads lie side by side than when each
+    head's partitions do (the results are identical; `python -m bench.rollouts` measures the decode throughput)."""
     return (len(state_groups(config)[0]), config.num_sse_partitions_with_shared, config.sse_num_heads // tp_size,
             kernels.cache_rows(config.sse_key_dim, dtype), config.sse_value_dim)
 
@@ -163,7 +150,7 @@ def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
     """Refuse, naming the field, a checkpoint this engine cannot run, before any kernel sees it. (SSEConfig
     itself rejects unknown layer types and head sizes outside the list every platform runs.)"""
     def bad(field, why):
-        raise ValueError(f"SSEConfig.{field}: {why} (vLLM backend sse_model.vllm_model)")
+        raise ValueError(f"SSEConfig.{field}: {why} (vLLM backend sse_model.vllm.model)")
 
     tp = vllm_config.parallel_config.tensor_parallel_size
     if SSE_LAYER in config.layer_types and config.sse_num_heads % tp:
@@ -172,8 +159,8 @@ def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
         if config.num_attention_heads % tp:
             bad("num_attention_heads", f"{config.num_attention_heads} is not divisible by tensor_parallel_size={tp}")
         try:
-            backend = get_attn_backend(config.head_dim, vllm_config.model_config.dtype,
-                                       vllm_config.cache_config.cache_dtype)
+            backend = seams.attention_backend(config.head_dim, vllm_config.model_config.dtype,
+                                              vllm_config.cache_config.cache_dtype)
         except ValueError as e:  # no backend at all on this platform
             bad("head_dim", f"{config.head_dim}: {e}")
         if not backend.supports_head_size(config.head_dim):
@@ -185,8 +172,7 @@ class HybridAttention(Attention):
     """vLLM's Attention, its cache spec under `SSEAttentionSpec` (the scheduler's `SSEAttentionManager`)."""
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        spec = super().get_kv_cache_spec(vllm_config)
-        return SSEAttentionSpec.of(spec) if type(spec) is FullAttentionSpec else spec
+        return seams.attention_spec(super().get_kv_cache_spec(vllm_config))
 
 
 class SSEAttention(nn.Module):
@@ -222,66 +208,6 @@ class SSEAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn(q, k, v))
         return out
-
-
-@dataclass
-class SSEStateMetadata(LinearAttentionMetadata):
-    # The prefills' token offsets on the host (num_prefills + 1 of them, from the first prefill token), so the
-    # layer can split the prefills into groups of sequences without reading the device.
-    prefill_token_offsets: list[int] = field(default_factory=list)
-    # Per prefill, on the host: whether it continues a state in its slot (a later chunk, a prefix-cache hit) or
-    # starts from nothing; on the device only when the step has both kinds.
-    prefill_has_state: list[bool] = field(default_factory=list)
-    prefill_has_state_mask: torch.Tensor | None = None
-
-
-class SSEStateMetadataBuilder(LinearAttentionMetadataBuilder):
-    """vLLM's linear-attention metadata (slots, query and sequence lengths; decodes first), plus, from host-side
-    lengths, the prefills' token offsets and which of them start from nothing.
-
-    A freed slot keeps its last request's state. A prefill that starts from nothing does not read its slot (its
-    final state overwrites it); a request that starts as a decode (a one-token prompt: the batch split counts it
-    as one) reads its slot, which is zeroed here, before the forward, costing no device sync and staying out of
-    any captured CUDA graph. A request resumed from a prefix cache hit has computed tokens and continues from the
-    state vLLM copied into its slot.
-    """
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> SSEStateMetadata:
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        m = common_attn_metadata
-        nd, npf = metadata.num_decodes, metadata.num_prefills
-        offsets = (m.query_start_loc_cpu[nd:nd + npf + 1] - m.query_start_loc_cpu[nd]).tolist() if npf else []
-        has_state = [True] * npf  # without vLLM's prefill flags every prefill continues from its slot
-        if m.is_prefilling is not None:
-            query_lens = m.query_start_loc_cpu.diff()
-            fresh = m.is_prefilling & (query_lens > 0) & (m.seq_lens_cpu_upper_bound == query_lens)
-            has_state = (~fresh[nd:nd + npf]).tolist()
-            if bool(fresh[:nd].any()):
-                self._zero_slots(metadata.state_indices_tensor, fresh[:nd].nonzero()[:, 0])
-        mask = None
-        if any(has_state) and not all(has_state):
-            mask = async_tensor_h2d(has_state, metadata.state_indices_tensor.device)
-        return SSEStateMetadata(**vars(metadata), prefill_token_offsets=offsets, prefill_has_state=has_state,
-                                prefill_has_state_mask=mask)
-
-    def _zero_slots(self, slots_of_rows: torch.Tensor, rows: torch.Tensor) -> None:
-        # Through pinned memory where the platform has it, so that the copy does not wait for the work queued on
-        # the GPU (a plain `.to` did: ~20 ms on every step that starts requests, 1.5B on an H100).
-        slots = slots_of_rows[async_tensor_h2d(rows, slots_of_rows.device)].long()
-        context = self.vllm_config.compilation_config.static_forward_context
-        for name in self.layer_names:
-            context[name].kv_cache[0].index_fill_(0, slots, 0.0)
-
-
-class SSEStateBackend(LinearAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "SSE_STATE"
-
-    @staticmethod
-    def get_builder_cls() -> type[SSEStateMetadataBuilder]:
-        return SSEStateMetadataBuilder
 
 
 class SSEStates(nn.Module, MambaBase):
@@ -353,10 +279,9 @@ class SSELinearAttention(nn.Module):
         # over tensor-parallel ranks), then the narrow ones, replicated on every rank: the low-rank codes of the
         # decay and of the shared partition's q and k (zero-padded). Its output goes into the custom op as it is;
         # the op runs the three low-rank up-projections as one GEMM over a block-diagonal weight, and the decode
-        # kernel adds the shared partition's low-rank terms itself. Apart, in a 1.5B decode step, the gate's, the
-        # narrow and the up-projection GEMMs took 0.54 ms of 11.9 ms of GPU time for a few MB each
-        # (bench/results/vllm_decode_profile_1b_SSE-H_20261127.md), and packing the op's inputs 0.29 ms
-        # (vllm_decode_profile_1b_SSE-H_20261127b.md).
+        # kernel adds the shared partition's low-rank terms itself. Apart, the gate's, the narrow and the
+        # up-projection GEMMs were each a launch for a few MB, and packing the op's inputs a copy, on every layer of
+        # every decode step (`python -m bench.rollouts`).
         qkv_bias = config.sse_qkv_bias
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
         r = config.sse_lora_rank
@@ -399,8 +324,8 @@ class SSELinearAttention(nn.Module):
         gate = projected.split(self.in_proj.output_partition_sizes, -1)[3]
         router_logits = self.router(hidden_states.float())[0]
         o = hidden_states.new_zeros(T, self.num_heads, self.value_dim)  # rows past the real tokens stay defined
-        torch.ops.vllm.linear_attention(torch.cat([projected, router_logits.view(projected.dtype)], -1), o,
-                                        positions, self.prefix)
+        seams.linear_attention(torch.cat([projected, router_logits.view(projected.dtype)], -1), o, positions,
+                               self.prefix)
         out, _ = self.o_proj(sse_math.gated_output(self.o_norm(o), gate.view_as(o)).view(T, -1))
         return out
 
@@ -568,11 +493,11 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors. On a serving engine only inside vLLM's layerwise reload
-        (`sse_model.vllm_sync.push_weights`): a plain call there would write into tensors some kernels no longer
+        (`sse_model.vllm.sync.push_weights`): a plain call there would write into tensors some kernels no longer
         read (the CPU build computes Linear layers and the lm_head from packed copies) and go stale silently."""
-        if self._serving and not get_layerwise_info(self).can_load():
+        if self._serving and not seams.in_layerwise_reload(self):
             raise RuntimeError("SSEForCausalLM.load_weights on a serving engine must run inside vLLM's "
-                               "reload_weights; use sse_model.vllm_sync.push_weights(llm, named_tensors)")
+                               "reload_weights; use sse_model.vllm.sync.push_weights(llm, named_tensors)")
         params = dict(self.named_parameters(remove_duplicate=False))
         tied = self.config.tie_word_embeddings
         loaded = set()
