@@ -1,12 +1,12 @@
 """The recall comparison (docs/retrieval.md, "Three-way comparison"): the configs/mqar_*.yaml runs differ only in
-architecture and have matched parameter counts, and bench/mqar_compare.py turns their eval outputs into the table,
+architecture and have matched parameter counts, and bench/recall.py turns their eval outputs into the table,
 the paired differences and the plot."""
 import json
 from pathlib import Path
 
 import pytest
 
-from bench import mqar_compare
+from bench import recall as mqar_compare
 from pipeline.config import load_config, resolve
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
