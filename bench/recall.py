@@ -21,7 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.baseline import REPO, RESULTS, RUNS, command, cpu_name, write_baseline
+from bench.baseline import REPO, RUNS, command, cpu_name, write_baseline
 from eval.metrics import paired_change
 
 BASELINE = "recall_mqar"
@@ -217,9 +217,9 @@ def main(argv=None) -> dict:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(text)
     if args.baseline:
-        write_baseline(BASELINE, command=command("bench.recall", sys.argv[1:] if argv is None else argv),
-                       **baseline(result))
-        shutil.copyfile(stem.with_suffix(".png"), RESULTS / f"{BASELINE}.png")
+        saved = write_baseline(BASELINE, command=command("bench.recall", sys.argv[1:] if argv is None else argv),
+                               **baseline(result))
+        shutil.copyfile(stem.with_suffix(".png"), saved.with_suffix(".png"))
     return result
 
 
@@ -231,7 +231,7 @@ def baseline(result: dict) -> dict:
         by_pairs = {p["num_pairs"]: p["accuracy"] for p in r["by_num_pairs"]}
         rows.append({"model": label, "query accuracy %": round(100 * r["query_accuracy"], 1),
                      **{f"{n} pairs %": None if n not in by_pairs else round(100 * by_pairs[n], 1) for n in pairs},
-                     "non-embedding parameters": r["parameters"]["non_embedding"],
+                     "non-embedding parameters": (r["parameters"] or {}).get("non_embedding"),
                      "SFT s": r["seconds"].get("sft")})
     dataset = next(iter(result["runs"].values()))["dataset"]
     return dict(device=result["machine"], date=result["date"][:10], rows=rows,

@@ -60,8 +60,8 @@ def test_a_run_rewrites_one_report_after_each_model(tmp_path):
     first = vllm_rollouts.write_report({"SSE-H": result(10_000.0)}, args)
     assert cells(first, "output tokens/s, 32 prompts x 8 x 1024") == ["10,000", "not run", ""]
     vllm_rollouts.write_report({"SSE-H": result(10_000.0), "Qwen3": result(20_000.0)}, args)
-    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
-    assert saved.name == "vllm_rollouts_small_20261127-1800.json"
+    (saved,) = tmp_path.glob("rollouts_small_*.json")
+    assert saved.name == "rollouts_small_20261127-1800.json"
     assert set(json.loads(saved.read_text())["results"]) == {"SSE-H", "Qwen3"}
 
 
@@ -122,11 +122,12 @@ def test_interleaved_models_run_in_one_worker_and_pair_their_rounds(tmp_path, mo
                 calls)
     args = run_args(tmp_path, timeout=60, interleave=True, repeats=3, models=["SSE-H", "Qwen3"], shape="small")
     monkeypatch.setattr("bench.baseline.RESULTS", tmp_path / "results")
+    monkeypatch.setattr("bench.baseline.commit", lambda: "abc1234")  # subprocess.run is the fake worker here
     vllm_rollouts.main(["--shape", "small", "--lengths", "1024", "--repeats", "3", "--interleave",
                         "--out", str(tmp_path), "--baseline"])
     ((cmd, _),) = calls  # one worker for both models
     assert cmd[cmd.index("--names") + 1:cmd.index("--paths")] == ["SSE-H", "Qwen3"] and "--interleave" in cmd
-    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    (saved,) = tmp_path.glob("rollouts_small_*.json")
     report = json.loads(saved.read_text())
     assert report["interleaved"] is True
     # each engine's concurrency line, in the order the engines started
@@ -140,7 +141,7 @@ def test_interleaved_models_run_in_one_worker_and_pair_their_rounds(tmp_path, mo
     # --baseline: the configuration's one committed baseline, its headline the report's ratio
     baseline = json.loads((tmp_path / "results" / "rollouts_small_1k.json").read_text())
     assert baseline["headline"]["value"] == 0.9 and [r["model"] for r in baseline["rows"]] == ["SSE-H", "Qwen3"]
-    assert baseline["command"].endswith("--interleave --out " + str(tmp_path)) and baseline["device"] == "cpu"
+    assert baseline["command"].endswith("--interleave --out " + str(tmp_path)) and baseline["commit"] == "abc1234"
 
 
 def dict_args(args, **changes):
