@@ -6,6 +6,7 @@ point's `--baseline`, then this runs.
     python -m bench.report --check   # exit 1 where either differs from what the baselines give
 """
 import argparse
+import re
 import sys
 
 from bench.baseline import REPO, RESULTS, load_baselines
@@ -35,6 +36,11 @@ def cell(value) -> str:
     return f"{value:.3g}"
 
 
+def natural(name: str) -> list:
+    """Sort key that puts rollouts_1b_4k before rollouts_1b_16k."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def benchmark(configuration: str) -> tuple[str, str, str]:
     found = [b for b in BENCHMARKS if configuration.startswith(b[0])]
     if not found:
@@ -55,7 +61,7 @@ def performance(baselines: dict[str, dict]) -> str:
              "configuration, with the device, date, commit and command it was measured with); edit those through an "
              "entry point's `--baseline`, never this file. bench/README.md says how to run the benchmarks."]
     for prefix, title, module in BENCHMARKS:
-        found = {name: b for name, b in baselines.items() if name.startswith(prefix)}
+        found = {name: baselines[name] for name in sorted(baselines, key=natural) if name.startswith(prefix)}
         if not found:
             continue
         lines += ["", f"## {title} (`python -m {module}`)"]
