@@ -1,15 +1,15 @@
 """Whole-model training step (forward + backward, loss over the vocabulary): SSE-H against the same model with
 every layer attention and against transformers' Qwen3 of the same shape, bf16, one GPU, one run.
 
-    python bench/train_step.py [--lengths 4096 16384 32768] [--out bench/results]
-    python bench/train_step.py --profile --lengths 8192     # where the time goes: GPU kernels of one step
-    python bench/train_step.py --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
-    python bench/train_step.py --lengths 8192 --rounds 5      # every model timed 5 times in turn (`rounds`)
-    python bench/train_step.py --lengths 8192 --rounds 3 --alone      # ... each time in a process of its own
-    python bench/train_step.py --lengths 8192 --steps 20 --interleave      # the models' steps in turn
-    python bench/train_step.py --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
-    python bench/train_step.py --split --checkpointing --lengths 8192     # ... of the checkpointed step
-    python bench/train_step.py --compile --interleave --models SSE-H Qwen3     # every model under torch.compile
+    python -m bench.train_step [--lengths 4096 16384 32768] [--out bench/runs] [--baseline]
+    python -m bench.train_step --profile --lengths 8192     # where the time goes: GPU kernels of one step
+    python -m bench.train_step --lengths 8192 --steps 10 --models SSE-H      # one model (an A/B of two trees)
+    python -m bench.train_step --lengths 8192 --rounds 5      # every model timed 5 times in turn (`rounds`)
+    python -m bench.train_step --lengths 8192 --rounds 3 --alone      # ... each time in a process of its own
+    python -m bench.train_step --lengths 8192 --steps 20 --interleave      # the models' steps in turn
+    python -m bench.train_step --split --lengths 8192     # GPU work against the host's: GPU-bound step, timeline
+    python -m bench.train_step --split --checkpointing --lengths 8192     # ... of the checkpointed step
+    python -m bench.train_step --compile --interleave --models SSE-H Qwen3     # every model under torch.compile
 
 6 layers of width 2048 (16 heads of 128, MLP 5632, vocabulary 32k); SSE-H has 5 SSE layers (n4k1 + shared) and
 one attention layer (`--models SSE-H-param-matched`: SSE-H with MLP 4928, no more parameters than Qwen3's). Rows
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.baseline import REPO, RUNS, command, write_baseline
 
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=6,
              num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=65536,
@@ -182,8 +181,8 @@ def measure_alone(name: str, T: int, packed: bool, checkpointing: bool, steps: i
     other models' runs (their allocator pools, compiled kernels, imports) is in the process. Raises
     torch.OutOfMemoryError where that process ran out of GPU memory."""
     flags = ["--packed"] * packed + ["--checkpointing"] * checkpointing
-    done = subprocess.run([sys.executable, __file__, "--alone", name, "--lengths", str(T), "--steps", str(steps),
-                           *flags], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "bench.train_step", "--alone", name, "--lengths", str(T), "--steps",
+                           str(steps), *flags], capture_output=True, text=True, cwd=REPO)
     if done.returncode:
         raise RuntimeError(f"{name} at T = {T} failed in its own process:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.splitlines()[-1])
@@ -375,7 +374,32 @@ def split(builds, T: int, steps: int, checkpointing: bool = False) -> list[str]:
                     "and the end of the backward:", ""] + timelines + [""]
 
 
+def baselines(report: dict) -> dict[str, dict]:
+    """`write_baseline`'s arguments per length, `train_step[_compiled]_<k>k`: a row per layout (packed rows,
+    checkpointing), each model's tokens/s and SSE-H over the fastest Qwen3 (the median of the rounds' ratios); the
+    headline that ratio on one unpacked sequence without checkpointing."""
+    out = {}
+    for T in sorted({r["T"] for r in report["rows"]}):
+        rows = []
+        for r in (r for r in report["rows"] if r["T"] == T):
+            models = {k: v for k, v in r.items() if k not in ("T", "packed", "checkpointing", "paired", "bound")}
+            rows.append({"packed rows": "yes" if r["packed"] else "no",
+                         "checkpointing": "on" if r["checkpointing"] else "off",
+                         **{f"{m} tokens/s": v and round(v["tokens_per_s"]) for m, v in models.items()},
+                         "SSE-H / fastest Qwen3": r.get("paired") and round(statistics.median(r["paired"]), 2)})
+        plain = next(r for r in rows if r["packed rows"] == "no" and r["checkpointing"] == "off")
+        out[f"train_step_{'compiled_' * report['compiled']}{T // 1024}k"] = dict(
+            device=report["device"], date=report["date"][:10],
+            title=f"Training step (forward + backward), {report['shape']['num_hidden_layers']} layers of "
+                  f"{report['shape']['hidden_size']}, {T} tokens a row, bf16"
+                  + ", every model under torch.compile" * report["compiled"],
+            rows=rows, headline=dict(label=f"SSE-H / fastest Qwen3 training tokens/s, {T // 1024}k tokens",
+                                     value=plain["SSE-H / fastest Qwen3"]))
+    return out
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--steps", type=int, default=3)
@@ -387,7 +411,9 @@ def main(argv=None):
                    default=["SSE-H", "all-attention", "Qwen3", "Qwen3-flex", "Qwen3-fused-norm",
                             "Qwen3-flex-fused-norm"],
                    help="an A/B of two trees may time SSE-H alone")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=RUNS, help="the raw run's folder")
+    p.add_argument("--baseline", action="store_true",
+                   help="overwrite bench/results/train_step_<k>k.json for every length of the table")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel instead of the table")
     p.add_argument("--split", action="store_true", help="GPU-bound step, idle and host time instead of the table")
     p.add_argument("--alone", nargs="?", const=True, default=False, metavar="MODEL",
@@ -474,6 +500,9 @@ def main(argv=None):
                      + f"{spread(r.get('bound'))} | " * bound + f"{host} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.baseline:
+        for configuration, baseline in baselines(report).items():
+            write_baseline(configuration, command=command("bench.train_step", argv), **baseline)
 
 
 if __name__ == "__main__":

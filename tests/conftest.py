@@ -121,15 +121,15 @@ def pytest_runtest_logreport(report):
 def one_triton_config():
     """fla autotunes every kernel per dtype and shape on first use (minutes on a fresh GPU node), and correctness
     does not depend on the tuning: each autotuned kernel runs with one config, in this process and, through
-    bench/site's sitecustomize on PYTHONPATH, in the processes a test starts (vLLM's engine core)."""
+    tests/site's sitecustomize on PYTHONPATH, in the processes a test starts (vLLM's engine core)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import runpy
 
     from triton.runtime.autotuner import Autotuner
-    site = str(Path(__file__).resolve().parents[1] / "bench" / "site")
+    site = str(Path(__file__).resolve().parent / "site")
     saved = Autotuner.prune_configs, dict(os.environ)
-    os.environ["SSE_BENCH_ONE_TRITON_CONFIG"] = "1"
+    os.environ["SSE_TESTS_ONE_TRITON_CONFIG"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
     runpy.run_path(os.path.join(site, "sitecustomize.py"))
     yield

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from bench.convert import tiny_source
 from sse_model import SSEForCausalLM  # importing sse_model registers sse_hybrid with the Auto classes
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 from sse_model.convert import (
@@ -22,6 +21,7 @@ from sse_model.convert import (
     convert_main,
     sse_core_output,
 )
+from tiny_checkpoints import tiny_source
 
 SOURCES = {
     "qwen2": dict(),

@@ -1,12 +1,12 @@
 """The recall comparison (docs/retrieval.md, "Three-way comparison"): the configs/mqar_*.yaml runs differ only in
-architecture and have matched parameter counts, and bench/mqar_compare.py turns their eval outputs into the table,
+architecture and have matched parameter counts, and bench/recall.py turns their eval outputs into the table,
 the paired differences and the plot."""
 import json
 from pathlib import Path
 
 import pytest
 
-from bench import mqar_compare
+from bench import recall as mqar_compare
 from pipeline.config import load_config, resolve
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -59,13 +59,14 @@ def fake_run(root: Path, name: str, correct: dict[int, list[bool]]) -> None:
     (root / name / "sft" / "result.json").write_text(json.dumps({"status": "done", "seconds": 3.0}))
 
 
-def test_compare_writes_table_differences_and_plot(tmp_path):
+def test_compare_writes_table_differences_and_plot(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     fake_run(runs, "mqar-zoology-transformer", {4: [True] * 40, 16: [True] * 40})
     fake_run(runs, "mqar-zoology-sse-h", {4: [True] * 40, 16: [True] * 20 + [False] * 20})
     fake_run(runs, "mqar-zoology-gla", {4: [True] * 39 + [False], 16: [False] * 40})
     (runs / "mqar-zoology-sse").mkdir()  # a run whose eval stage has not finished
-    result = mqar_compare.main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--tag", "t"])
+    monkeypatch.setattr("bench.baseline.RESULTS", tmp_path / "results")
+    result = mqar_compare.main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--tag", "t", "--baseline"])
     assert list(result["runs"]) == ["Transformer", "SSE-H", "GLA"]  # absent and unfinished runs are left out
     sse = result["runs"]["SSE-H"]
     assert [(g["num_pairs"], g["accuracy"]) for g in sse["by_num_pairs"]] == [(4, 1.0), (16, 0.5)]
@@ -77,9 +78,13 @@ def test_compare_writes_table_differences_and_plot(tmp_path):
     assert verdicts[("SSE-H", "GLA", 16)] == (0.5, "a > b")
     assert verdicts[("SSE-H", "GLA", 4)][1] == "overlap"
     assert not any(d["b"] == "SSE-H dense (K = N)" for d in result["differences"])
-    md = (tmp_path / "out" / "mqar_compare_t.md").read_text()
+    md = (tmp_path / "out" / "recall_t.md").read_text()
     assert "| SSE-H | mqar-zoology-sse-h |  | 12 |  | 75.0 (" in md
     assert "| Transformer | SSE-H | 16 | 40 | +50.0 (" in md
     assert "| copying level | | | | | | 25.0 | 6.2 |" in md  # 1 / n at 4 and 16 pairs
-    assert (tmp_path / "out" / "mqar_compare_t.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "out" / "mqar_compare_t.json").read_text())["differences"] == result["differences"]
+    assert (tmp_path / "out" / "recall_t.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "out" / "recall_t.json").read_text())["differences"] == result["differences"]
+    # --baseline: a row per model, with its plot beside it
+    baseline = json.loads((tmp_path / "results" / "recall_mqar.json").read_text())
+    assert [r["model"] for r in baseline["rows"]] == ["Transformer", "SSE-H", "GLA"]
+    assert (tmp_path / "results" / "recall_mqar.png").read_bytes()[:4] == b"\x89PNG"

@@ -126,7 +126,7 @@ def test_two_sharded_ranks_train_like_one_unsharded_rank(runs):
 
 def test_push_gathers_full_parameters_one_at_a_time(runs):
     sharded, single = runs
-    from sse_model.vllm_sync import expected_shapes
+    from sse_model.vllm.sync import expected_shapes
 
     names = [n for n, _ in sharded[0]["pushed"]]
     assert names == list(single["weights"]) and set(names) == set(expected_shapes(tiny_model().config))

@@ -8,12 +8,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig
 
-from bench.convert import tiny_source
 from pipeline import token_weights as tw
 from pipeline.config import ConfigError, load_config
 from pipeline.stages.sft import SSESFTTrainer
 from sse_model.configuration_sse import SSE_LAYER
 from sse_model.convert import align_sse_layers, attention_activations, calibration_text, convert, convert_main
+from tiny_checkpoints import tiny_source
 
 SMALL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
 
@@ -197,13 +197,12 @@ def test_alignment_reduces_heldout_error_and_leaves_other_layers(source, tmp_pat
 
 
 def test_measurement_config_is_the_recall_recipe_on_a_converted_model():
-    """configs/sila_mqar.yaml trains and evaluates on the recall comparison's MQAR (the task bench/sila_tools.py
-    trains its source on), on other SFT rows than the source's, from the converted source."""
-    from bench.sila_tools import CONFIG, task
-
+    """configs/sila_mqar.yaml trains and evaluates on the recall comparison's MQAR, on other SFT rows than the
+    source's, from the converted source."""
     recipe = load_config("configs/mqar_sse_h.yaml")
-    cfg = load_config(CONFIG, ["sft.token_weights={}", "convert.align_steps=200"])
-    assert task() == recipe.data.sft.generator.options == cfg.data.eval[0].generator.options
+    cfg = load_config("configs/sila_mqar.yaml", ["sft.token_weights={}", "convert.align_steps=200"])
+    assert (load_config("configs/sila_mqar.yaml").data.sft.generator.options == recipe.data.sft.generator.options
+            == cfg.data.eval[0].generator.options)
     assert cfg.data.eval == recipe.data.eval and cfg.data.sft.generator.seed != recipe.data.sft.generator.seed
     assert cfg.model.init == "convert" and cfg.stages == ["convert", "sft", "eval"]
     assert cfg.sft.token_weights.reference is None and cfg.convert.align_steps == 200

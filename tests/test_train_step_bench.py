@@ -60,7 +60,7 @@ def test_a_timing_alone_runs_the_script_in_a_process_of_its_own(monkeypatch):
         return subprocess.CompletedProcess(argv, 0, f"compiling...\n{replies[len(ran) - 1]}\n", "")
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert train_step.measure_alone("SSE-H", 8192, True, False, 4) == {"tokens_per_s": 5.0}
-    assert ran[0][1:] == [train_step.__file__, "--alone", "SSE-H", "--lengths", "8192", "--steps", "4", "--packed"]
+    assert ran[0][1:] == ["-m", "bench.train_step", "--alone", "SSE-H", "--lengths", "8192", "--steps", "4", "--packed"]
     with pytest.raises(torch.OutOfMemoryError):
         train_step.measure_alone("Qwen3-flex", 32768, False, True, 4)
     assert ran[1][-1] == "--checkpointing"

@@ -1121,10 +1121,10 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     near-tied token's top-1 partition, and a flip is a discontinuity, not an error (with 37 pads on an H200 the
     second router's gradient came out 7.7 % apart; 2e-6 with exact dots). The operator's tf32 error is bounded by the
     other tests here."""
-    from bench.model_step_paths import small_model  # the model that tool compares paths on, when this fails
     from kernels import dispatch
+    from tiny_checkpoints import small_sse_h
     width, T = (256, 200) if device == "cuda" else (64, 40)
-    model = small_model(width, device, seed=0)
+    model = small_sse_h(width, device, seed=0)
     ids = torch.randint(0, model.config.vocab_size, (2, T), device=device)
     mask = torch.ones_like(ids)
     if padded:

@@ -7,7 +7,7 @@ Run on a GPU node with vLLM installed (docs/vllm-backend.md, "On a GPU"):
 The checkpoint is trained here for a few hundred steps on the embedded default's arithmetic (a random model's
 near-uniform distributions would hide mismatches), saved in bf16, and served by vLLM with its defaults
 (engine-core process, torch.compile, full CUDA graphs for decode batches, chunked prefill). The reference is the
-HF model in bf16 on the same GPU, chunked Triton path. Measured values go to bench/results/vllm_gpu_parity_*.json.
+HF model in bf16 on the same GPU, chunked Triton path. Measured values go to bench/runs/vllm_gpu_parity_*.json.
 """
 import json
 import math
@@ -149,7 +149,8 @@ def vllm_logprobs(output):
 
 
 def save_results():
-    out = REPO / "bench" / "results"
+    out = REPO / "bench" / "runs"  # raw runs, gitignored (bench/README.md)
+    out.mkdir(parents=True, exist_ok=True)
     now = datetime.now(timezone.utc)
     RESULTS.update(date=now.isoformat(timespec="seconds"), device=torch.cuda.get_device_name())
     import vllm

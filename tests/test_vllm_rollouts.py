@@ -1,4 +1,4 @@
-"""bench/vllm_rollouts.py: the report the rollout ratios come from, and its engine-step parser (the runs themselves
+"""bench/rollouts.py: the report the rollout ratios come from, and its engine-step parser (the runs themselves
 need a GPU node)."""
 import argparse
 import json
@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from bench import vllm_rollouts
+from bench import rollouts as vllm_rollouts
 
 
 def run_args(out, **changes):
@@ -34,7 +34,7 @@ def test_ratios_to_qwen3_and_the_json_beside(tmp_path):
     # bytes: the ratio is Qwen3's over SSE-H's, and SSE-H moves fewer per token at this size
     assert float(cells(markdown, "  decode MB moved per token")[2]) > 1
     assert "- SSE-H, 1024 new tokens: 1025 engine steps; the engine waited 0.1 s" in markdown
-    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    (saved,) = tmp_path.glob("rollouts_small_*.json")
     assert json.loads(saved.read_text())["results"]["Qwen3"]["speed"]["1024"]["tokens_per_s"] == 20_000.0
 
 
@@ -60,8 +60,8 @@ def test_a_run_rewrites_one_report_after_each_model(tmp_path):
     first = vllm_rollouts.write_report({"SSE-H": result(10_000.0)}, args)
     assert cells(first, "output tokens/s, 32 prompts x 8 x 1024") == ["10,000", "not run", ""]
     vllm_rollouts.write_report({"SSE-H": result(10_000.0), "Qwen3": result(20_000.0)}, args)
-    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
-    assert saved.name == "vllm_rollouts_small_20261127-1800.json"
+    (saved,) = tmp_path.glob("rollouts_small_*.json")
+    assert saved.name == "rollouts_small_20261127-1800.json"
     assert set(json.loads(saved.read_text())["results"]) == {"SSE-H", "Qwen3"}
 
 
@@ -121,11 +121,13 @@ def test_interleaved_models_run_in_one_worker_and_pair_their_rounds(tmp_path, mo
     fake_worker(monkeypatch, {"SSE-H": [30_000.0, 27_000.0, 24_000.0], "Qwen3": [31_000.0, 30_000.0, 26_000.0]},
                 calls)
     args = run_args(tmp_path, timeout=60, interleave=True, repeats=3, models=["SSE-H", "Qwen3"], shape="small")
+    monkeypatch.setattr("bench.baseline.RESULTS", tmp_path / "results")
+    monkeypatch.setattr("bench.baseline.commit", lambda: "abc1234")  # subprocess.run is the fake worker here
     vllm_rollouts.main(["--shape", "small", "--lengths", "1024", "--repeats", "3", "--interleave",
-                        "--out", str(tmp_path)])
+                        "--out", str(tmp_path), "--baseline"])
     ((cmd, _),) = calls  # one worker for both models
     assert cmd[cmd.index("--names") + 1:cmd.index("--paths")] == ["SSE-H", "Qwen3"] and "--interleave" in cmd
-    (saved,) = tmp_path.glob("vllm_rollouts_small_*.json")
+    (saved,) = tmp_path.glob("rollouts_small_*.json")
     report = json.loads(saved.read_text())
     assert report["interleaved"] is True
     # each engine's concurrency line, in the order the engines started
@@ -136,6 +138,10 @@ def test_interleaved_models_run_in_one_worker_and_pair_their_rounds(tmp_path, mo
     assert "- SSE-H / Qwen3, 1024 new tokens, round by round: 0.97, 0.90, 0.92 (median 0.92)" in markdown
     assert "Interleaved (`--interleave`)" in markdown
     assert "round by round" not in vllm_rollouts.write_report(report["results"], dict_args(args, interleave=False))
+    # --baseline: the configuration's one committed baseline, its headline the report's ratio
+    baseline = json.loads((tmp_path / "results" / "rollouts_small_1k.json").read_text())
+    assert baseline["headline"]["value"] == 0.9 and [r["model"] for r in baseline["rows"]] == ["SSE-H", "Qwen3"]
+    assert baseline["command"].endswith("--interleave --out " + str(tmp_path)) and baseline["commit"] == "abc1234"
 
 
 def dict_args(args, **changes):
@@ -158,7 +164,7 @@ def test_repeated_runs_report_the_median_and_the_spread(tmp_path):
 
 
 def test_the_step_clock_summarises_decode_steps_and_the_report_lists_every_run(tmp_path):
-    from bench import vllm_step_clock
+    from bench import step_clock as vllm_step_clock
     # (host s, GPU ms at the step's first event, GPU ms at its sampled tokens, decode?): a prefill, then decode
     # steps every 10 ms of host time whose GPU work takes 8 ms and waits 2 ms for the host
     rows = [(0.0, 0.0, 30.0, False)] + [(0.03 + 0.01 * i, 30.0 + 10 * i, 38.0 + 10 * i, True) for i in range(5)]
