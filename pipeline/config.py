@@ -164,6 +164,10 @@ class VLLMSettings(EngineSettings):
 
     gpu_memory_utilization: float = 0.3  # the engine shares the GPU with the trainer
     enable_prefix_caching: bool = False
+    # vLLM's sleep mode: between rollouts the engine drops its weights and its KV and SSE-state cache (level 2), so
+    # the policy update has the GPU; it wakes for the next rollouts, takes the weights from the trainer and passes
+    # the parity probe. GPU only (vLLM's CUDA memory pool); the CPU build keeps its memory.
+    enable_sleep_mode: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

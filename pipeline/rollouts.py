@@ -69,4 +69,9 @@ def engine_kwargs(cfg, model_path: str) -> dict:
                 gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
                 enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1,
-                mamba_ssm_cache_dtype=v.state_dtype)
+                mamba_ssm_cache_dtype=v.state_dtype, enable_sleep_mode=v.enable_sleep_mode and sleep_supported())
+
+
+def sleep_supported() -> bool:
+    """vLLM's sleep mode unmaps its CUDA memory pool: there is nothing to free on the CPU build."""
+    return torch.cuda.is_available()

@@ -26,7 +26,9 @@ Seams (stage in brackets), and what each relies on:
   KL, `sampling/kl_rollout_trainer`, computed by `rollout_kl`).
 - `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
   `self.llm` and returns `(prompt_ids, completion_ids, ...)`; the trainer calls `sync_weights()` when the step
-  changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`).
+  changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`). With
+  `enable_sleep_mode`, generate() calls `sync_weights()` while `self._llm_weights_sleeping`, then
+  `llm.wake_up(tags=["kv_cache"])`, generates and sends the engine back to sleep (level 2).
 - `ShardedStateMixin` [sft, grpo, only with `trainer.sharding: fsdp`]: transformers builds accelerate's FSDP plugin
   from `args.fsdp_plugin_args` in `create_accelerator_and_postprocess`, which sets `self.is_fsdp_enabled`; accelerate
   drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead.
@@ -271,7 +273,7 @@ class SSEVLLMGeneration(VLLMGeneration):
                  log, **kwargs):
         self.engine_kwargs, self.seed_base = engine_kwargs, seed_base
         self.parity_ids, self.parity_threshold, self.log = parity_ids, parity_threshold, log
-        super().__init__(mode="colocate", **kwargs)
+        super().__init__(mode="colocate", enable_sleep_mode=engine_kwargs.get("enable_sleep_mode", False), **kwargs)
 
     def _init_vllm(self):
         from vllm import LLM
@@ -289,7 +291,10 @@ class SSEVLLMGeneration(VLLMGeneration):
         runner = "V2" if self.engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
         print(f"rollout engine: vLLM {vllm_version}, {runner} model runner", flush=True)
         self.llm = SeededLLM(self.engine, self.seed_base)  # what TRL's generate() uses
-        self._llm_weights_sleeping = False
+        if self.enable_sleep_mode:  # as TRL's own colocated engine: asleep until the first rollout needs it
+            self.engine.sleep(level=2)
+        # Level 2 drops the weights: TRL's generate() pushes them (sync_weights) before it wakes the cache
+        self._llm_weights_sleeping = self.enable_sleep_mode
         self.accelerator.wait_for_everyone()
 
     def generate(self, prompts, *args, **kwargs):
@@ -304,6 +309,12 @@ class SSEVLLMGeneration(VLLMGeneration):
         # TRL's iterator gathers one parameter at a time (every rank takes part under FSDP2), and vLLM's layerwise
         # reload takes them as they come, so no rank ever holds the full model's weights twice.
         started = time.perf_counter()
+        if self.enable_sleep_mode:
+            # The push needs the weights mapped and the parity probe runs a request, so both wake here; TRL's
+            # generate() then asks for the cache again, which vLLM skips for a tag that is awake.
+            torch.cuda.empty_cache()
+            self.engine.wake_up()
+            self._llm_weights_sleeping = False
         model = self.accelerator.unwrap_model(self.model)
         self.log("vllm_parity", push_and_check(self.engine, model, self._iter_named_params(), self.parity_ids,
                                                self.parity_threshold))

@@ -119,7 +119,8 @@ def test_vllm_generation_seam():
     """VLLMGeneration takes the arguments the pipeline passes, calls `self._init_vllm()` from __init__, samples
     through `self.llm`, and reads `_llm_weights_sleeping`; `ensure_master_addr_port` exists."""
     passed = {"model", "accelerator", "processing_class", "mode", "max_num_seqs", "repetition_penalty",
-              "temperature", "top_p", "top_k", "min_p", "max_completion_length", "logprobs", "generation_kwargs"}
+              "temperature", "top_p", "top_k", "min_p", "max_completion_length", "logprobs", "generation_kwargs",
+              "enable_sleep_mode"}
     assert passed <= set(parameters(VLLMGeneration.__init__))
     assert "self._init_vllm()" in source(VLLMGeneration.__init__)
     assert "self.llm.generate(" in source(VLLMGeneration)
@@ -130,6 +131,46 @@ def test_vllm_generation_seam():
     from trl.trainer.utils import ensure_master_addr_port
 
     assert callable(ensure_master_addr_port)
+
+
+def test_sleep_mode_seam():
+    """With sleep mode, TRL's generate() pushes the weights while `_llm_weights_sleeping`, wakes the cache, samples
+    and puts the engine back to sleep at level 2 (which drops the weights again)."""
+    generate = source(VLLMGeneration.generate)
+    push = generate.index("self._llm_weights_sleeping:\n            self.sync_weights()")
+    wake = generate.index('self.llm.wake_up(tags=["kv_cache"])')
+    sample = generate.index("self.llm.generate(")
+    sleep = generate.index("self.llm.sleep(level=2)", sample)
+    assert push < wake < sample < sleep
+    assert "self._llm_weights_sleeping = True" in generate[sleep:]
+
+
+def test_sleeping_engine_wakes_before_the_push(monkeypatch):
+    """The pipeline's push wakes the whole engine first (weights for the push, the cache for the parity probe's
+    request) and records that the weights are back; without sleep mode it wakes nothing."""
+    calls = []
+
+    class Engine:
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+    def push_and_check(engine, model, named, ids, threshold):
+        calls.append(("push", list(named)))
+        return 0.0
+
+    monkeypatch.setattr(trl_seams, "push_and_check", push_and_check)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    for sleeping in (True, False):
+        calls.clear()
+        generation = object.__new__(trl_seams.SSEVLLMGeneration)
+        generation.engine, generation.enable_sleep_mode = Engine(), sleeping
+        generation._llm_weights_sleeping, generation.parity_ids, generation.parity_threshold = sleeping, [1], 1.0
+        generation.model, generation.log = torch.nn.Linear(2, 2), lambda name, value: None
+        generation.accelerator = type("Accelerator", (), {"unwrap_model": staticmethod(lambda m: m)})()
+        generation._iter_named_params = lambda: iter([("w", torch.ones(1))])
+        generation.sync_weights()
+        expected = [("empty_cache",), ("wake_up", None)] if sleeping else []
+        assert calls == expected + [("push", [("w", torch.ones(1))])] and not generation._llm_weights_sleeping
 
 
 def test_train_metrics_seam():
