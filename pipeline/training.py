@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from pipeline.faults import fault_point
 from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
 
 
@@ -111,6 +112,7 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         os.rename(staging, out)
         fsync_dir(out.parent)
+        fault_point(f"{trainer.stage}.end", trainer.state.global_step, out.parent.parent)
     trainer.accelerator.wait_for_everyone()
     return out
 

@@ -426,6 +426,34 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, tiny_model, monkeypatch):
     assert result["summary"].endswith("(resumed from checkpoint-2)")
 
 
+def test_killed_after_its_last_checkpoint_the_stage_resumes_to_exactly_its_steps(tmp_path, tiny_model):
+    """SIGKILL in the window between the last checkpoint (checkpoint-4, at max_steps) and the stage's end: the final
+    model written, the stage not yet reported done (fault point `sft.end`). The resume starts from checkpoint-4 and
+    trains nothing more (the Trainer alone ran a fifth step): 4 steps, the final weights and the metrics of an
+    uninterrupted run."""
+    reference = tiny_config(tmp_path / "reference")
+    assert run_sft(reference, tiny_model)["steps"] == 4
+    cfg = tiny_config(tmp_path / "killed")
+    code = ("import sys; from pipeline.config import load_config, resolve; from pipeline.orchestrator import "
+            "execute_stage; from pipeline.rundir import RunDir; cfg = load_config(sys.argv[1], sys.argv[3:]); "
+            "RunDir(cfg.run_dir).create(); execute_stage('sft', resolve(cfg), str(cfg.run_dir), sys.argv[2])")
+    killed = subprocess.run([sys.executable, "-c", code, CONFIG, tiny_model, *TINIER,
+                             f"output_dir={tmp_path / 'killed'}"], cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, SSE_RL_FAULTS="sft.end@4:kill"), timeout=600)
+    run = cfg.run_dir
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest(run, "sft") == "checkpoint-4" and (run / "sft" / "final").exists()
+    assert not (run / "sft" / "result.json").exists()
+
+    result = run_sft(cfg, tiny_model)
+    assert result["status"] == "done" and result["steps"] == 4, result
+    assert result["summary"].startswith("4 steps") and result["summary"].endswith("(resumed from checkpoint-4)")
+    assert checkpoints(run, "sft") == checkpoints(reference.run_dir, "sft")
+    assert not differing_tensors(run / "sft" / "final" / "model.safetensors",
+                                 reference.run_dir / "sft" / "final" / "model.safetensors")
+    assert metric_rows(run) == metric_rows(reference.run_dir)
+
+
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -17,12 +17,19 @@ from pipeline.training import (
     save_final_model,
     weights_dtype,
 )
-from pipeline.trl_seams import AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, mark_weights_loaded
+from pipeline.trl_seams import (
+    AtomicCheckpointsMixin,
+    BalanceLossMixin,
+    ExactStepsOnResumeMixin,
+    OwnRolloutEngineMixin,
+    mark_weights_loaded,
+)
 from tasks.loaders import filter_long_prompts, load_rl_dataset
 from tasks.prompts import prompt_token_ids
 
 
-class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, GRPOTrainer):
+class SSEGRPOTrainer(AtomicCheckpointsMixin, ExactStepsOnResumeMixin, BalanceLossMixin, OwnRolloutEngineMixin,
+                     GRPOTrainer):
     """GRPOTrainer whose rollouts come from the pipeline's colocated vLLM engine (pipeline/trl_seams.py)."""
 
     stage = "grpo"

@@ -16,14 +16,15 @@ from pipeline.training import (
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
+    ExactStepsOnResumeMixin,
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
 )
 from tasks.loaders import is_code_sequence, load_sft_dataset, tokenize_codes
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
-                    SFTTrainer):
+class SSESFTTrainer(AtomicCheckpointsMixin, ExactStepsOnResumeMixin, BalanceLossMixin, TokenCountInStateMixin,
+                    TokenWeightedLossMixin, SFTTrainer):
     stage = "sft"
 
 
