@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from pipeline.faults import fault_point
 from pipeline.rundir import CHECKPOINT, RunDir, fsync_dir, latest_checkpoint
+from sse_model.hub_code import save_model_code
 
 
 class StageCallback(TrainerCallback):
@@ -108,6 +109,7 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(str(staging))  # on every rank: sharded weights are gathered; the main process writes
     if main:
+        save_model_code(staging)
         tokenizer.save_pretrained(str(staging))
         shutil.rmtree(out, ignore_errors=True)
         os.rename(staging, out)

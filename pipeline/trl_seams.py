@@ -49,6 +49,7 @@ from pipeline.faults import fault_point
 from pipeline.rollouts import SeededLLM, push_and_check
 from pipeline.rundir import fsync_dir, latest_checkpoint
 from pipeline.token_weights import TokenWeightCollator, TokenWeighting
+from sse_model.hub_code import save_model_code
 
 
 class NonFiniteLoss(RuntimeError):
@@ -84,6 +85,8 @@ class AtomicCheckpointsMixin:
                 super()._save_checkpoint(model, trial)
             finally:
                 self._staging_dir = None
+            if self.args.should_save:
+                save_model_code(staging / name)  # loadable without sse-rl (sse_model/hub_code.py)
             fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
             if self.args.should_save:
                 for file in (staging / name).iterdir():

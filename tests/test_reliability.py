@@ -454,6 +454,54 @@ def test_killed_after_its_last_checkpoint_the_stage_resumes_to_exactly_its_steps
     assert metric_rows(run) == metric_rows(reference.run_dir)
 
 
+# Loads a checkpoint with transformers alone and writes its logits on fixed ids; run with `python -S` and only the
+# interpreter's site-packages on the path, so neither the checkout nor the installed sse-rl can be imported.
+LOAD_WITHOUT_THE_PROJECT = """
+import importlib.util, sys, torch
+from transformers import AutoModelForCausalLM
+assert all(importlib.util.find_spec(m) is None for m in ("sse_model", "pipeline")), "the project is importable"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32)
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+torch.save(model(torch.arange(1, 17)[None]).logits, sys.argv[2])
+"""
+
+
+def test_checkpoints_load_with_transformers_alone_and_natively(tmp_path, tiny_model):
+    """Every model the pipeline writes (the init model, each SFT checkpoint and the final model) carries the model's
+    code and `auto_map`: copied elsewhere, it loads with `trust_remote_code=True` where sse-rl cannot be imported,
+    computing what the native model computes; with sse-rl imported it loads natively."""
+    import site
+
+    from transformers import AutoModelForCausalLM
+
+    from sse_model import SSEForCausalLM
+
+    cfg = tiny_config(tmp_path / "run")
+    assert run_sft(cfg, tiny_model)["status"] == "done"
+    written = [Path(tiny_model), *(cfg.run_dir / "sft" / name for name in checkpoints(cfg.run_dir, "sft")),
+               cfg.run_dir / "sft" / "final"]
+    assert len(written) == 6
+    for path in written:
+        config = json.loads((path / "config.json").read_text())
+        assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_sse.SSEForCausalLM", path
+        assert (path / "modeling_sse.py").exists() and (path / "configuration_sse.py").exists(), path
+
+    copy = tmp_path / "elsewhere" / "sse-h-tiny"
+    shutil.copytree(cfg.run_dir / "sft" / "final", copy)
+    logits = tmp_path / "logits.pt"
+    env = {"PATH": os.environ["PATH"], "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
+    out = subprocess.run([sys.executable, "-S", "-c", LOAD_WITHOUT_THE_PROJECT, copy, logits], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    native = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    assert type(native) is SSEForCausalLM
+    with torch.no_grad():
+        expected = native(torch.arange(1, 17)[None]).logits
+    torch.testing.assert_close(torch.load(logits), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
