@@ -39,12 +39,12 @@ def resume_main(argv) -> int:
 def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
     from pipeline.config import ConfigError, load_config
     from pipeline.console import Console
-    from pipeline.orchestrator import StageFailed, run_pipeline
+    from pipeline.orchestrator import RayUnreachable, StageFailed, run_pipeline
     from pipeline.rundir import RunLocked
 
     try:
         run_pipeline(load_config(config, overrides), run_dir, Console.of_stdout(verbose))
-    except (ConfigError, StageFailed, RunLocked) as err:
+    except (ConfigError, StageFailed, RunLocked, RayUnreachable) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 1
     return 0
