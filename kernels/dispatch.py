@@ -16,11 +16,16 @@ from kernels.sse import (
     write_states_torch,
 )
 
+# The Triton kernels' package, `kernels.triton`. The model code saved beside a checkpoint (sse_model/hub_code.py)
+# leaves it out: there it does not exist, and every "auto" picks a torch path.
+TRITON_KERNELS = f"{__package__}.triton"
+
 
 def _lazy(module, name):
-    """The Triton paths are imported on first call, so `import kernels` needs neither a GPU nor fla."""
+    """The Triton path `name` of `TRITON_KERNELS.<module>`, imported on first call, so `import kernels` needs
+    neither a GPU nor fla."""
     def call(*args, **kwargs):
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+        return getattr(importlib.import_module(f"{TRITON_KERNELS}.{module}"), name)(*args, **kwargs)
     call.__name__ = name
     return call
 
@@ -29,19 +34,19 @@ IMPLEMENTATIONS = {
     "reference": sse_reference,
     "chunk_torch_varlen": sse_chunk_varlen,
     "chunk_torch_mask": sse_chunk_mask,
-    "triton_varlen": _lazy("kernels.triton.chunk", "sse_triton_varlen"),
-    "triton_mask": _lazy("kernels.triton.chunk", "sse_triton_mask"),
-    "triton_indexed": _lazy("kernels.triton.indexed_chunk", "sse_triton_indexed"),
+    "triton_varlen": _lazy("chunk", "sse_triton_varlen"),
+    "triton_mask": _lazy("chunk", "sse_triton_mask"),
+    "triton_indexed": _lazy("indexed_chunk", "sse_triton_indexed"),
 }
 # The paths that take decay logits and `decay_normalizer` themselves; sse_attention computes log a for the others.
 TAKES_DECAY_LOGITS = {"triton_indexed"}
-DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("kernels.triton.decode", "sse_decode_triton")}
+DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("decode", "sse_decode_triton")}
 READ_STATES_IMPLEMENTATIONS = {"torch": read_states_torch,
-                               "triton": _lazy("kernels.triton.state_cache", "read_states_triton")}
+                               "triton": _lazy("state_cache", "read_states_triton")}
 WRITE_STATES_IMPLEMENTATIONS = {"torch": write_states_torch,
-                                "triton": _lazy("kernels.triton.state_cache", "write_states_triton")}
-NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("kernels.triton.norm_gate", "norm_gate_triton")}
-RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("kernels.triton.norm_gate", "rms_norm_triton")}
+                                "triton": _lazy("state_cache", "write_states_triton")}
+NORM_GATE_IMPLEMENTATIONS = {"torch": norm_gate_torch, "triton": _lazy("norm_gate", "norm_gate_triton")}
+RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("norm_gate", "rms_norm_triton")}
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -87,7 +92,7 @@ def pick_implementation(device: torch.device, top_k: int | None = None, num_part
     # On GPU our indexed chunk kernels beat the varlen layout around fla's chunk_gla at 4k-64k tokens (H100,
     # 1.26-2.2x: no materialised rows, and no host synchronisation, so no fixed cost at short lengths). The mask
     # layout, faster than varlen below ~2.4k tokens on an H200, was not timed against them; kernels/NOTES.md.
-    if device.type == "cuda" and _installed("triton"):
+    if device.type == "cuda" and _installed("triton", TRITON_KERNELS):
         return "triton_indexed"
     # On CPU the varlen layout's work grows with K + 1 rows per token, the mask's with N + 1 key blocks. At K = N the
     # mask layout does less (one score matrix per head, not K + 1) and needs no routing sort or row gathers: on the
@@ -172,7 +177,7 @@ def _triton_or_torch(implementations: dict, impl: str, device: torch.device, wha
     torch.compile, where inductor makes its own kernel of the twin's ops, fused with those around it, and the
     compiled graph holds none of our autograd Functions."""
     if impl == "auto":
-        triton = device.type == "cuda" and _installed("triton") and not torch.compiler.is_compiling()
+        triton = device.type == "cuda" and _installed("triton", TRITON_KERNELS) and not torch.compiler.is_compiling()
         impl = "triton" if triton else "torch"
     if impl not in implementations:
         raise ValueError(f"unknown {what} implementation {impl!r}; known: {sorted(implementations)}")

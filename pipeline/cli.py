@@ -44,7 +44,7 @@ def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
     change keys of stages not finished yet."""
     from pipeline.config import ConfigError, load_config
     from pipeline.console import Console
-    from pipeline.orchestrator import StageFailed, config_changes, run_pipeline
+    from pipeline.orchestrator import RayUnreachable, StageFailed, config_changes, run_pipeline
     from pipeline.preflight import preflight
     from pipeline.rundir import RunDir, RunLocked
 
@@ -54,7 +54,7 @@ def _run(prog: str, config, overrides, run_dir, verbose: bool) -> int:
         config_changes(cfg, existing, amend=run_dir is not None)  # again under the run's lock, when it starts
         preflight(cfg, str(config), existing.finished())
         run_pipeline(cfg, run_dir, Console.of_stdout(verbose), amend=run_dir is not None)
-    except (ConfigError, StageFailed, RunLocked) as err:
+    except (ConfigError, StageFailed, RunLocked, RayUnreachable) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 1
     return 0

@@ -42,11 +42,24 @@ class ConfigError(ValueError):
 # Defaults are a runnable middle ground; configs/*.yaml set what matters for each recipe.
 
 @dataclass(frozen=True, kw_only=True)
+class RuntimeEnvSettings:
+    """Ray's runtime environment for every worker of the run (Ray's `runtime_env`): what a cluster's workers need
+    that their image lacks, e.g. a reward module (`py_modules: [my_rewards]`) or this checkout (`working_dir: .`)."""
+
+    working_dir: str | None = None  # a local directory, uploaded to every worker and made its working directory
+    py_modules: list[str] | None = None  # local packages or modules (directories or .py files) importable on workers
+    excludes: list[str] | None = None  # gitignore-style patterns left out of working_dir and py_modules
+    env_vars: dict[str, str] | None = None  # environment variables of every worker
+    pip: list[str] | None = None  # requirements installed into each worker's environment
+
+
+@dataclass(frozen=True, kw_only=True)
 class RaySettings:
     address: str | None = None  # None: start a local Ray instance; "auto" or "host:port" joins a cluster
     num_cpus: int | None = None  # for a local instance; None lets Ray detect
     num_gpus: int | None = None
     max_failures: int = 2  # restarts of a stage whose Ray worker died (Ray Train failure config / task retries)
+    runtime_env: RuntimeEnvSettings | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

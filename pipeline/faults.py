@@ -7,7 +7,8 @@ goes past it. `pause` sleeps until killed from outside: the test then SIGKILLs t
 Unset (normal use) it costs one environment lookup.
 
 Points: `<stage>.step` (inside a training step, after the loss, before the optimizer), `<stage>.checkpoint_write`
-(checkpoint files written, not yet renamed into place), `grpo.rollout` (before vLLM generates).
+(checkpoint files written, not yet renamed into place), `grpo.rollout` (before vLLM generates), `<stage>.end` (the
+final model in place after the last checkpoint, the stage not yet reported done).
 """
 import os
 import signal

@@ -5,8 +5,11 @@ config restarts a stage whose worker died; the restarted stage continues from it
 The other stages run as Ray tasks with declared resources. A stage that raises (bad data, NaN loss, a weight-sync
 drift) is not retried: it reports the error, the manifest marks it failed, and the last good checkpoint stays.
 """
+import dataclasses
 import json
 import os
+import re
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -78,16 +81,52 @@ def start_ray(cfg: Config) -> bool:
     # Ray Train passes this variable from the driver to its workers.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS is set under `ray job submit`
+    runtime_env = ray_runtime_env(cfg)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        source = "ray.address" if cfg.ray.address else "RAY_ADDRESS"
+        check_reachable(address, source)
+        try:
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env or None)
+        except ConnectionError as err:  # "auto" with no cluster on this machine
+            raise RayUnreachable(f"{source} {address!r}: {err}; {WHAT_TO_DO}") from None
     else:
         # "local": a fresh instance owned by this driver. Left to its default, ray.init() joins whatever cluster a
         # `ray start` on this machine last advertised (/tmp/ray/ray_current_cluster), someone else's included.
         # Its GCS and raylet share the driver's fate, so a SIGKILLed driver takes the instance along (the workers
         # exit with their raylet) and the next run starts a fresh one.
         ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, include_dashboard=False,
-                 log_to_driver=True, runtime_env={"worker_process_setup_hook": quiet_placement_group_cleaner})
+                 log_to_driver=True,
+                 runtime_env={**runtime_env, "worker_process_setup_hook": quiet_placement_group_cleaner})
     return True
+
+
+def ray_runtime_env(cfg: Config) -> dict:
+    """`ray.runtime_env` as Ray takes it: the keys the config sets."""
+    env = cfg.ray.runtime_env
+    return {} if env is None else {k: v for k, v in dataclasses.asdict(env).items() if v is not None}
+
+
+class RayUnreachable(RuntimeError):
+    """`ray.address` (or RAY_ADDRESS) names a cluster that does not answer; raised before any stage."""
+
+
+WHAT_TO_DO = ("start the cluster's head (`ray start --head`) or check it (`ray status` there), check that this machine "
+              "reaches its GCS port (6379 unless `ray start --port` said otherwise), or leave ray.address unset to run "
+              "on a local Ray instance")
+
+
+def check_reachable(address: str, source: str, timeout: float = 10.0) -> None:
+    """Fail fast, naming the address, where ray.init would retry an unreachable GCS for minutes: a TCP connection
+    to a `host:port` or `ray://host:port` address. Other forms ("auto", "local") are left to ray.init."""
+    found = re.fullmatch(r"(?:ray://)?([^:/]+):(\d+)", address)
+    if not found:
+        return
+    host, port = found.group(1), int(found.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        raise RayUnreachable(f"{source} {address!r}: no Ray cluster answers there (tried a TCP connection to "
+                             f"{host}:{port} for up to {timeout:g} s: {err}); {WHAT_TO_DO}") from None
 
 
 CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"

@@ -147,6 +147,12 @@ class RunDir:
         return rows
 
     def drop_metrics_after(self, stage: str, step: int) -> None:
-        """On resume from checkpoint `step`, forget the stage's metrics logged after it (they will be logged again)."""
-        rows = [r for r in self.read_metrics() if not (r.get("stage") == stage and r.get("step", 0) > step)]
+        """On resume from checkpoint `step`, forget the stage's metrics logged after it (they will be logged again),
+        and the trainer's end-of-training summary (`train_runtime`, ...) logged at it: an attempt killed after its
+        last checkpoint logged one there, and the resumed attempt logs its own."""
+        def dropped(r):
+            return r.get("stage") == stage and (r.get("step", 0) > step or (r.get("step") == step
+                                                                            and "train_runtime" in r))
+
+        rows = [r for r in self.read_metrics() if not dropped(r)]
         write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from pipeline.faults import fault_point
 from pipeline.rundir import CHECKPOINT, RunDir, latest_checkpoint
+from sse_model.hub_code import save_model_code
 from tasks.files import replace_dir
 
 
@@ -108,8 +110,10 @@ def save_final_model(trainer, tokenizer, out: Path) -> Path:
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(str(staging))  # on every rank: sharded weights are gathered; the main process writes
     if main:
+        save_model_code(staging)
         tokenizer.save_pretrained(str(staging))
         replace_dir(staging, out)
+        fault_point(f"{trainer.stage}.end", trainer.state.global_step, out.parent.parent)
     trainer.accelerator.wait_for_everyone()
     return out
 

@@ -6,6 +6,10 @@ run it first.
 Seams (stage in brackets), and what each relies on:
 - `AtomicCheckpointsMixin` [sft, grpo]: `Trainer._save_checkpoint(model, trial)` writes `checkpoint-<step>` under
   `self._get_output_dir(trial)`; `training_step` returns the loss before the optimizer step.
+- `ExactStepsOnResumeMixin` [sft, grpo]: `Trainer._init_training_state(max_steps, num_update_steps_per_epoch,
+  num_train_epochs, resume_from_checkpoint, trial)` restores the checkpoint's state and returns `(epochs_trained,
+  steps_trained_in_current_epoch)`; the training loop runs the epochs from `epochs_trained` to `num_train_epochs`
+  and checks `max_steps` only after a step.
 - `BalanceLossMixin` [sft, grpo]: `compute_loss`'s signature; TRL's losses call the backbone (`model.base_model`),
   not the model's forward; `model_accepts_loss_kwargs`, `compute_loss_func` and
   `current_gradient_accumulation_steps` decide whether the Trainer divides the loss.
@@ -58,6 +62,7 @@ from pipeline.faults import fault_point
 from pipeline.rollouts import SeededLLM, push_and_check
 from pipeline.rundir import latest_checkpoint
 from pipeline.token_weights import TokenWeightCollator, TokenWeighting
+from sse_model.hub_code import save_model_code
 from tasks.files import replace_dir
 
 
@@ -94,6 +99,8 @@ class AtomicCheckpointsMixin:
                 super()._save_checkpoint(model, trial)
             finally:
                 self._staging_dir = None
+            if self.args.should_save:
+                save_model_code(staging / name)  # loadable without sse-rl (sse_model/hub_code.py)
             fault_point(f"{self.stage}.checkpoint_write", self.state.global_step, Path(self.args.output_dir).parent)
             if self.args.should_save:
                 for file in (staging / name).iterdir():
@@ -118,6 +125,22 @@ class AtomicCheckpointsMixin:
             raise NonFiniteLoss(f"loss is {loss.item()} at step {self.state.global_step + 1}; the stage stops here "
                                 f"and the last good checkpoint, {last.name if last else 'none yet'}, is kept")
         return loss
+
+
+class ExactStepsOnResumeMixin:
+    """Mix in before a `transformers.Trainer` subclass. A stage killed after its last checkpoint (written at
+    `max_steps`) and before it is marked done resumes from that checkpoint; the Trainer would then run one step more
+    (it tests `max_steps` only after a step, and with `max_steps` inside the first epoch there is an epoch left to
+    enter). Here a checkpoint that already reached `max_steps` leaves no epoch to run: the resumed `train()` loads
+    it, trains nothing, and the stage ends with the same steps and weights as an uninterrupted run."""
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):
+        position = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return position
 
 
 class BalanceLossMixin:

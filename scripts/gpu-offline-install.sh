@@ -1,27 +1,24 @@
 #!/usr/bin/env bash
-# Installs the GPU stack on an air-gapped node whose image already has torch 2.11 (CUDA 13), triton and
-# transformers, from a wheelhouse built on a machine with network access (docs/gpu.md):
+# Installs the GPU stack on an air-gapped node whose image already has Python 3.12, torch 2.11 (CUDA 13), triton and
+# transformers, from the wheelhouse scripts/build-wheelhouse.sh built on a machine with network (docs/gpu-install.md):
 #
-#   (on a machine with network)  ../shared/tools/gpu-wheelhouse WHEELHOUSE [--ray]
-#   (copy WHEELHOUSE/part-* to the node, then on the node, from this checkout)
+#   (on a machine with network)  scripts/build-wheelhouse.sh WHEELHOUSE
+#   (copy WHEELHOUSE/part-* and this checkout to the node, then on the node, from this checkout)
 #   scripts/gpu-offline-install.sh WHEELHOUSE/part-*        # installs into /tmp/site
-#   source /tmp/site/sse-rl.env                              # PYTHONPATH for this shell
+#   source /tmp/site/sse-rl.env                              # PYTHONPATH and vLLM settings for this shell
 #
-# The project is not pip-installed there (its pyproject pins the CPU machines' torch 2.13): the checkout goes on
-# PYTHONPATH, and a metadata-only distribution gives vLLM the plugin's entry point, exactly what
-# `pip install -e .` would register.
+# The project's wheel (installed without dependencies: its pyproject pins the CPU machines' torch 2.13) gives vLLM
+# the plugin's entry point and the `sse-rl` script; the checkout goes first on PYTHONPATH, so its code is what runs.
 set -euo pipefail
 [ $# -ge 1 ] || { sed -n 2,11p "$0"; exit 2; }
 site=/tmp/site  # where the wheelhouse's install.sh puts everything
 repo=$(cd "$(dirname "$0")/.." && pwd)
 first=$1
+[ -f "$first/install.sh" ] || { echo "$first/install.sh not found: pass every part, part-1 first" >&2; exit 2; }
 bash "$first/install.sh" "$@" >/dev/null
-dist="$site/sse_rl-0.0.dist-info"
-mkdir -p "$dist"
-printf 'Metadata-Version: 2.1\nName: sse-rl\nVersion: 0.0\n' > "$dist/METADATA"
-printf '[vllm.general_plugins]\nsse_model = sse_model.vllm.plugin:register\n' > "$dist/entry_points.txt"
-cat > "$site/sse-rl.env" <<EOF
-export PYTHONPATH=$site:$repo\${PYTHONPATH:+:\$PYTHONPATH}
-export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-EOF
+cat > "$site/sse-rl.env" <<ENV
+export PYTHONPATH=$repo:$site\${PYTHONPATH:+:\$PYTHONPATH}
+export PATH=$site/bin:\$PATH
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+ENV
 echo "installed into $site; run: source $site/sse-rl.env"

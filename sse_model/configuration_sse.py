@@ -34,8 +34,9 @@ def default_layer_types(num_layers: int, attention_every: int = 6) -> list[str]:
 class SSEConfig(PreTrainedConfig):
     model_type = "sse_hybrid"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # No remote code. TRL reads `config.auto_map` when it builds GRPO's reference model from a checkpoint
-    # (beta > 0), and transformers 5 configs have no such attribute unless remote code set one.
+    # A config built in code names no remote code (the checkpoints the pipeline writes do: sse_model/hub_code.py).
+    # TRL reads `config.auto_map` when it builds GRPO's reference model from a checkpoint (beta > 0), and
+    # transformers 5 configs have no such attribute unless remote code set one.
     auto_map: ClassVar[dict] = {}
 
     vocab_size: int = 32000

@@ -51,6 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import kernels
 from sse_model.configuration_sse import ATTENTION_HEAD_DIMS, ATTENTION_LAYER, SSE_LAYER, SSEConfig, default_layer_types
+from sse_model.hub_code import save_model_code
 from sse_model.modeling_sse import SSEForCausalLM, SSELayer
 
 logger = logging.getLogger(__name__)
@@ -355,6 +356,7 @@ def convert(src, dst, *, attention_every: int | None = 6, attention_layers=None,
 
     dtype = src_config.dtype or torch.float32
     model.to("cpu", dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).save_pretrained(dst)
+    save_model_code(dst)
     copied = [name for name in TOKENIZER_FILES if (src_dir / name).is_file()]
     for name in copied:
         shutil.copyfile(src_dir / name, Path(dst) / name)

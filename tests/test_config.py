@@ -37,6 +37,26 @@ def test_shipped_rewards_are_registered(path):
         get_reward(spec.name)
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_keep_only_their_last_checkpoints(path):
+    """A checkpoint of the 2B recipe takes ~24 GB: every training stage a shipped config runs keeps its last
+    checkpoints only (TRL's save_total_limit; the final model is written apart, in final/)."""
+    cfg = load_config(path)
+    for stage in {"sft", "grpo"} & set(cfg.stages):
+        assert (getattr(cfg, stage).trl.get("save_total_limit") or 0) >= 1, stage
+
+
+def test_ray_runtime_env_keys_are_checked():
+    tiny = CONFIGS[0].with_name("tiny.yaml")
+    env = load_config(tiny, ["ray.runtime_env.py_modules=[rewards_pkg]", "ray.runtime_env.env_vars={A: '1'}"])
+    env = env.ray.runtime_env
+    assert env.py_modules == ["rewards_pkg"] and env.env_vars == {"A": "1"} and env.working_dir is None
+    with pytest.raises(ConfigError, match=r"ray\.runtime_env\.py_module: unknown key.*py_modules"):
+        load_config(tiny, ["ray.runtime_env.py_module=[rewards_pkg]"])
+    with pytest.raises(ConfigError, match=r"ray\.runtime_env\.env_vars\.A: expected str"):
+        load_config(tiny, ["ray.runtime_env.env_vars={A: 1}"])
+
+
 def test_shipped_set_is_complete():
     assert {p.name for p in CONFIGS} >= {"tiny.yaml", "tiny_gla.yaml", "tiny_transformer.yaml", "sse_h_2b.yaml",
                                          "convert_qwen3_1p7b.yaml", "gpu_small.yaml"}
@@ -126,7 +146,7 @@ BAD = [
     ("sft: {learnig_rate: 0.1}", "sft.learnig_rate: unknown key (did you mean 'learning_rate'?)"),
     ("sft: {zzz: 1}", "sft.zzz: unknown key: neither a key of the pipeline (epochs, lr_scheduler, warmup_ratio, "
      "per_device_batch_size, token_weights, report_to) nor a field of trl.SFTConfig"),
-    ("ray: {zzz: 1}", "ray.zzz: unknown key (valid: address, num_cpus, num_gpus, max_failures)"),
+    ("ray: {zzz: 1}", "ray.zzz: unknown key (valid: address, num_cpus, num_gpus, max_failures, runtime_env)"),
     # TRL settings: checked against trl.SFTConfig / trl.GRPOConfig, their types and declared choices
     ("sft: {adam_beta2: high}", "sft.adam_beta2: expected float, got str 'high'"),
     ("sft: {truncation_mode: middle}", "sft.truncation_mode: expected one of 'keep_end', 'keep_start', got str "

@@ -140,6 +140,9 @@ def test_cli(sources, tmp_path, capsys):
     assert config["layer_types"] == [SSE_LAYER, ATTENTION_LAYER] * 2
     assert (config["sse_num_partitions"], config["sse_top_k"], config["sse_lora_rank"]) == (2, 2, 4)
     assert config["attention_bias"] and config["architectures"] == ["SSEForCausalLM"]
+    # the model's code beside the weights: loadable with trust_remote_code=True without sse-rl (sse_model/hub_code.py)
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_sse.SSEForCausalLM"
+    assert (tmp_path / "dst" / "modeling_sse.py").exists()
 
     with pytest.raises(SystemExit) as exit_:
         convert_main(["--from", str(path), "--to", str(tmp_path / "bad"), "--attention-layers", "9"])

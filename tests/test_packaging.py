@@ -52,3 +52,37 @@ def test_bench_scripts_import_names_the_project_has():
                 missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
                             and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert missing == []
+
+
+def test_wheelhouse_builder_plans_the_gpu_nodes_wheels_offline(tmp_path):
+    """scripts/build-wheelhouse.sh --dry-run prints its plan without network and writes nothing: CPython 3.12
+    manylinux x86_64 wheels of vLLM 0.25 and of the versions pyproject.toml's `train` and `gpu` extras pin, the
+    project's own wheel, parts of at most 58 MiB and the node's install script; the node's installer uses it."""
+    import re
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "wheelhouse"
+    run = subprocess.run(["bash", repo / "scripts" / "build-wheelhouse.sh", "--dry-run", out], capture_output=True,
+                         text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})  # no python on PATH: pip never runs
+    assert run.returncode == 0, run.stderr
+    assert not out.exists()
+    plan = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert plan["target"].startswith("CPython 3.12, manylinux_2_28_x86_64") and "manylinux2014_x86_64" in plan["target"]
+    download = plan["download"].split()
+    assert download[:4] == ["python3", "-m", "pip", "download"] and "--only-binary=:all:" in download
+    assert download[download.index("--python-version") + 1] == "3.12"
+    assert download[download.index("-d") + 1] == f"{out}/download"
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pinned = [re.sub(r"\[.*\]", "", spec) for spec in extras["train"] + extras["gpu"] if "==" in spec]
+    assert {"vllm==0.25.0", "trl==1.16.0", "ray==2.60.0", "datasets==5.2.0"} <= set(pinned)
+    wanted = set(pinned) - {"torch==2.11.0"}  # torch is the node's own
+    assert wanted <= set(download), wanted - set(download)
+    assert plan["project"] == f"python3 -m pip wheel -q --no-deps -w {out}/download {repo}"
+    assert plan["strip from vllm==0.25.0"].split()[0] == "vllm/vllm_flash_attn/_vllm_fa2_C"
+    assert "at most 58 MiB each" in plan["parts"] and plan["install script"].startswith(f"{out}/part-1/install.sh")
+
+    usage = subprocess.run(["bash", repo / "scripts" / "build-wheelhouse.sh"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "--dry-run OUT" in usage.stdout
+    installer = (repo / "scripts" / "gpu-offline-install.sh").read_text()
+    assert "scripts/build-wheelhouse.sh" in installer and "shared/tools" not in installer

@@ -273,3 +273,43 @@ def test_resume_with_set_validates_the_corrected_config_before_anything_runs(tmp
     assert out.returncode == 1
     assert f"{run.config_path}: data.grpo: {tmp_path / 'missing.jsonl'}: no such file" in out.stderr
     assert "config_changes" not in run.manifest()
+
+
+def test_unreachable_ray_address_is_a_named_error_before_any_stage(tmp_path):
+    """ray.init would retry a GCS that does not answer for minutes, then end in a traceback: the driver tries the
+    address first and stops naming it, what it tried and what to do, before any stage."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set",
+                 f"ray.address=127.0.0.1:{port}", timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    message = out.stderr.strip()
+    assert message.startswith(f"sse-rl run: ray.address '127.0.0.1:{port}': no Ray cluster answers there (tried a "
+                              f"TCP connection to 127.0.0.1:{port} for up to 10 s: "), message
+    assert "ray start --head" in message and "leave ray.address unset" in message
+    assert not (tmp_path / "tiny" / "manifest.json").exists()  # no stage started
+
+
+def test_ray_runtime_env_reaches_ray_init(monkeypatch):
+    """`ray.runtime_env` (a reward module shipped to a cluster's workers, their environment variables) is what
+    ray.init gets, for a cluster and for the local instance (beside the pipeline's own setup hook)."""
+    import ray
+
+    from pipeline import orchestrator
+    from pipeline.config import load_config
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(orchestrator, "check_reachable", lambda address, source: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    env = ["ray.runtime_env.py_modules=[my_rewards]", "ray.runtime_env.env_vars={HF_HUB_OFFLINE: '1'}"]
+    shipped = {"py_modules": ["my_rewards"], "env_vars": {"HF_HUB_OFFLINE": "1"}}
+    orchestrator.start_ray(load_config(REPO / "configs" / "tiny.yaml", env))
+    assert calls[-1]["runtime_env"] == {**shipped,
+                                        "worker_process_setup_hook": orchestrator.quiet_placement_group_cleaner}
+    orchestrator.start_ray(load_config(REPO / "configs" / "tiny.yaml", [*env, "ray.address=head:6379"]))
+    assert calls[-1] == {"address": "head:6379", "log_to_driver": True, "runtime_env": shipped}

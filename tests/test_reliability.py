@@ -319,7 +319,7 @@ def test_ray_job_stopped_and_resubmitted_continues(tmp_path, tag):
         assert resumed_from(logs, "sft") == ["checkpoint-2"], logs[-4000:]
         assert states(run) == {"init": "done", "sft": "done"}
         assert json.loads((run / "sft" / "result.json").read_text())["steps"] == 6
-        assert checkpoints(run, "sft") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+        assert checkpoints(run, "sft") == ["checkpoint-4", "checkpoint-6"]  # tiny.yaml keeps the last two
     finally:
         # Our head only: SIGTERM lets Ray's daemons exit cleanly, SIGKILL takes whatever did not.
         kill_tagged(tag, signal.SIGTERM)
@@ -424,6 +424,82 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, tiny_model, monkeypatch):
     result = run_sft(cfg, tiny_model)
     assert result["status"] == "done" and result["steps"] == 4
     assert result["summary"].endswith("(resumed from checkpoint-2)")
+
+
+def test_killed_after_its_last_checkpoint_the_stage_resumes_to_exactly_its_steps(tmp_path, tiny_model):
+    """SIGKILL in the window between the last checkpoint (checkpoint-4, at max_steps) and the stage's end: the final
+    model written, the stage not yet reported done (fault point `sft.end`). The resume starts from checkpoint-4 and
+    trains nothing more (the Trainer alone ran a fifth step): 4 steps, the final weights and the metrics of an
+    uninterrupted run."""
+    reference = tiny_config(tmp_path / "reference")
+    assert run_sft(reference, tiny_model)["steps"] == 4
+    cfg = tiny_config(tmp_path / "killed")
+    code = ("import sys; from pipeline.config import load_config, resolve; from pipeline.orchestrator import "
+            "execute_stage; from pipeline.rundir import RunDir; cfg = load_config(sys.argv[1], sys.argv[3:]); "
+            "RunDir(cfg.run_dir).create(); execute_stage('sft', resolve(cfg), str(cfg.run_dir), sys.argv[2])")
+    killed = subprocess.run([sys.executable, "-c", code, CONFIG, tiny_model, *TINIER,
+                             f"output_dir={tmp_path / 'killed'}"], cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, SSE_RL_FAULTS="sft.end@4:kill"), timeout=600)
+    run = cfg.run_dir
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest(run, "sft") == "checkpoint-4" and (run / "sft" / "final").exists()
+    assert not (run / "sft" / "result.json").exists()
+
+    result = run_sft(cfg, tiny_model)
+    assert result["status"] == "done" and result["steps"] == 4, result
+    assert result["summary"].startswith("4 steps") and result["summary"].endswith("(resumed from checkpoint-4)")
+    assert checkpoints(run, "sft") == checkpoints(reference.run_dir, "sft")
+    assert not differing_tensors(run / "sft" / "final" / "model.safetensors",
+                                 reference.run_dir / "sft" / "final" / "model.safetensors")
+    assert metric_rows(run) == metric_rows(reference.run_dir)
+
+
+# Loads a checkpoint with transformers alone and writes its logits on fixed ids; run with `python -S` and only the
+# interpreter's site-packages on the path, so neither the checkout nor the installed sse-rl can be imported.
+LOAD_WITHOUT_THE_PROJECT = """
+import importlib.util, sys, torch
+from transformers import AutoModelForCausalLM
+assert all(importlib.util.find_spec(m) is None for m in ("sse_model", "pipeline")), "the project is importable"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32)
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+torch.save(model(torch.arange(1, 17)[None]).logits, sys.argv[2])
+"""
+
+
+def test_checkpoints_load_with_transformers_alone_and_natively(tmp_path, tiny_model):
+    """Every model the pipeline writes (the init model, each SFT checkpoint and the final model) carries the model's
+    code and `auto_map`: copied elsewhere, it loads with `trust_remote_code=True` where sse-rl cannot be imported,
+    computing what the native model computes; with sse-rl imported it loads natively."""
+    import site
+
+    from transformers import AutoModelForCausalLM
+
+    from sse_model import SSEForCausalLM
+
+    cfg = tiny_config(tmp_path / "run")
+    assert run_sft(cfg, tiny_model)["status"] == "done"
+    written = [Path(tiny_model), *(cfg.run_dir / "sft" / name for name in checkpoints(cfg.run_dir, "sft")),
+               cfg.run_dir / "sft" / "final"]
+    assert checkpoints(cfg.run_dir, "sft") == ["checkpoint-3", "checkpoint-4"]  # tiny.yaml keeps the last two
+    for path in written:
+        config = json.loads((path / "config.json").read_text())
+        assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_sse.SSEForCausalLM", path
+        assert (path / "modeling_sse.py").exists() and (path / "configuration_sse.py").exists(), path
+
+    copy = tmp_path / "elsewhere" / "sse-h-tiny"
+    shutil.copytree(cfg.run_dir / "sft" / "final", copy)
+    logits = tmp_path / "logits.pt"
+    env = {"PATH": os.environ["PATH"], "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
+    out = subprocess.run([sys.executable, "-S", "-c", LOAD_WITHOUT_THE_PROJECT, copy, logits], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    native = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    assert type(native) is SSEForCausalLM
+    with torch.no_grad():
+        expected = native(torch.arange(1, 17)[None]).logits
+    torch.testing.assert_close(torch.load(logits), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):

@@ -40,6 +40,17 @@ def test_atomic_checkpoints_seam(trainer):
 
 
 @pytest.mark.parametrize("trainer", [SFTTrainer, GRPOTrainer])
+def test_exact_steps_on_resume_seam(trainer):
+    """`_init_training_state` takes the arguments the mixin passes on and returns the epoch and batch to resume
+    from; the loop runs the epochs from that one to `num_train_epochs` (so returning `num_train_epochs` runs none)."""
+    assert parameters(trainer._init_training_state) == ["self", "max_steps", "num_update_steps_per_epoch",
+                                                       "num_train_epochs", "resume_from_checkpoint", "trial"]
+    assert "return epochs_trained, steps_trained_in_current_epoch" in source(Trainer._init_training_state)
+    loop = source(Trainer._inner_training_loop)
+    assert "= self._init_training_state(" in loop and "for epoch in range(epochs_trained, num_train_epochs):" in loop
+
+
+@pytest.mark.parametrize("trainer", [SFTTrainer, GRPOTrainer])
 def test_balance_loss_seam(trainer):
     """`compute_loss(model, inputs, return_outputs, num_items_in_batch)`; the Trainer divides the loss by the
     accumulation steps unless the model normalised it by `num_items_in_batch` (the three attributes the mixin

@@ -22,6 +22,7 @@ from pipeline.training import (
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
+    ExactStepsOnResumeMixin,
     OwnRolloutEngineMixin,
     ShardedStateMixin,
     mark_weights_loaded,
@@ -31,7 +32,8 @@ from tasks.loaders import filter_long_prompts, load_rl_dataset
 from tasks.prompts import prompt_token_ids
 
 
-class SSEGRPOTrainer(AtomicCheckpointsMixin, BalanceLossMixin, OwnRolloutEngineMixin, ShardedStateMixin, GRPOTrainer):
+class SSEGRPOTrainer(AtomicCheckpointsMixin, ExactStepsOnResumeMixin, BalanceLossMixin, OwnRolloutEngineMixin,
+                     ShardedStateMixin, GRPOTrainer):
     """GRPOTrainer whose rollouts come from the pipeline's colocated vLLM engine (pipeline/trl_seams.py)."""
 
     stage = "grpo"

@@ -15,6 +15,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cache
 
 from sse_model import SSEConfig, SSEForCausalLM
 from sse_model.configuration_sse import PRESETS
+from sse_model.hub_code import save_model_code
 from tasks.files import replace_dir
 from tasks.loaders import load_sft_dataset
 from tasks.tokenizer import conversation_texts, train_tokenizer
@@ -135,6 +136,7 @@ def run(cfg, run_dir, model_path=None) -> dict:
     staging = out.with_name(".partial-model")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
+    save_model_code(staging)
     tokenizer.save_pretrained(staging)
     replace_dir(staging, out)
     n_params = sum(p.numel() for p in model.parameters())

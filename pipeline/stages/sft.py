@@ -16,6 +16,7 @@ from pipeline.training import (
 from pipeline.trl_seams import (
     AtomicCheckpointsMixin,
     BalanceLossMixin,
+    ExactStepsOnResumeMixin,
     ShardedStateMixin,
     TokenCountInStateMixin,
     TokenWeightedLossMixin,
@@ -25,8 +26,8 @@ from tasks.loaders import DataError, is_code_sequence, load_sft_dataset, tokeniz
 from tasks.prompts import sft_template_problem
 
 
-class SSESFTTrainer(AtomicCheckpointsMixin, BalanceLossMixin, TokenCountInStateMixin, TokenWeightedLossMixin,
-                    ShardedStateMixin, SFTTrainer):
+class SSESFTTrainer(AtomicCheckpointsMixin, ExactStepsOnResumeMixin, BalanceLossMixin, TokenCountInStateMixin,
+                    TokenWeightedLossMixin, ShardedStateMixin, SFTTrainer):
     stage = "sft"
 
 
