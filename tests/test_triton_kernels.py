@@ -392,13 +392,14 @@ def test_indexed_chunk_saves_each_allocation_once(device):
 
 @pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "above-the-bound"])
 def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed, monkeypatch):
-    """Under checkpoint with `kernels.checkpoint_replay.contexts` the recomputation takes the first forward's routing
-    tables and output and runs no operator forward; the backward makes the states (one more forward `_chained`).
-    Output and gradients equal the plain call's bit for bit, on a varlen batch with initial states, also in a second
-    backward of the same graph. Above the bound (KEPT_BYTES) both forwards compute, as without the contexts."""
+    """Under checkpoint with a `kernels.CheckpointReplay`'s contexts, the replay passed to the operator, the
+    recomputation takes the first forward's routing tables and output and runs no operator forward; the backward
+    makes the states (one more forward `_chained`). Output and gradients equal the plain call's bit for bit, on a
+    varlen batch with initial states, also in a second backward of the same graph. Above the bound (KEPT_BYTES) both
+    forwards compute, as without the replay."""
     from torch.utils.checkpoint import checkpoint
 
-    from kernels import checkpoint_replay
+    from kernels import CheckpointReplay, checkpoint_replay
     from kernels.triton import indexed_chunk
     if not replayed:
         monkeypatch.setattr(checkpoint_replay, "KEPT_BYTES", -1)
@@ -414,13 +415,15 @@ def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed,
     names = list(ins)
     op = chunk_impl("triton_indexed", device)
 
-    def layer(*xs):
-        return op(**dict(zip(names, xs)), top_k=1, cu_seqlens=cu)[0] * 1.5
+    def layer(*xs, replay=None):
+        return op(**dict(zip(names, xs)), top_k=1, cu_seqlens=cu, replay=replay)[0] * 1.5
 
-    def step(**checkpointed):
+    def step(checkpointed):
         leaves = [t.detach().clone().requires_grad_() for t in ins.values()]
         calls.clear()
-        o = checkpoint(layer, *leaves, **checkpointed) if checkpointed else layer(*leaves)
+        replay = CheckpointReplay()
+        o = (checkpoint(functools.partial(layer, replay=replay), *leaves, use_reentrant=False,
+                        context_fn=replay.contexts) if checkpointed else layer(*leaves))
         loss = o.pow(2).sum()
         loss.backward(retain_graph=True)
         first = [t.grad.clone() for t in leaves]
@@ -430,8 +433,8 @@ def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed,
         loss.backward()
         assert all(torch.equal(a, t.grad) for a, t in zip(first, leaves)), "second backward"
         return o.detach(), first, forward_calls
-    o, grads, plain_calls = step()
-    o_ck, grads_ck, ck_calls = step(use_reentrant=False, context_fn=checkpoint_replay.contexts)
+    o, grads, plain_calls = step(checkpointed=False)
+    o_ck, grads_ck, ck_calls = step(checkpointed=True)
     assert plain_calls == ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
     backward = [("_chained", False), ("_chained", True)] if replayed else \
         ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
@@ -1043,17 +1046,17 @@ def test_norm_vs_float64_twin(device, gated, rows, D, dtype, tol, programs, monk
 
 def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch):
     """The Triton path's operator saves the decay logits and the shared partition's q and key logits as they come,
-    so the HF layer keeps all three as recipes (`modeling_sse.recomputed_when_saved`), as it keeps W_o's input: their
+    so the HF layer keeps all three as recipes (`kernels.recomputed_when_saved`), as it keeps W_o's input: their
     memory is free once the forward returns, they are made again in the backward, and the gradients are those of a
     layer that kept the tensors."""
     import kernels
-    from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
+    from sse_model import SSEConfig, SSEForCausalLM
     config = SSEConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                        layer_types=["linear_attention"], num_attention_heads=2, head_dim=32, sse_num_heads=2,
                        sse_key_dim=32, sse_value_dim=32, sse_num_partitions=4, sse_top_k=1, sse_lora_rank=4,
                        sse_impl="triton_indexed")
     layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
-    monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", -1)  # tiny tensors: every recipe applies
+    monkeypatch.setattr("kernels.modules.recompute.RECIPES_ABOVE_BYTES", -1)  # tiny tensors: every recipe applies
     calls, storages = [], []
     up_weights = [getattr(layer, name).weight for name in ("decay_up", "q_shared_up", "k_shared_up")]
     linear, addmm, project, norm_gate = F.linear, torch.addmm, layer.project, kernels.norm_gate
@@ -1159,7 +1162,7 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     assert max(errors.values()) < CHUNK_TOL["cpu"][F32], errors  # exact dots on both devices
     # With gradient checkpointing the operator's saves (`kernels.saved_views`: views saved as their bases) are
     # packed by checkpoint's hooks and made again in the backward, and the recomputation takes the first forward's
-    # routing tables and output (`kernels.checkpoint_replay`): the same step, routed once per SSE layer.
+    # routing tables and output (`kernels.CheckpointReplay`): the same step, routed once per SSE layer.
     from kernels.triton import indexed_chunk
     routed = []
     real_tables = indexed_chunk.index_tables

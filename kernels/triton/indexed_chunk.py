@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checkpoint_replay, saved_views
+from kernels import saved_views
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
@@ -386,23 +386,23 @@ LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size, decay_normalizer, final_returned, replay):
+                scale, row_topk, chunk_size, decay_normalizer, final_returned, replayed):
         # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view costs
         # the host 2-5 us, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
         # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
-        # by ops of their own, are contiguous. `replay` (kernels.checkpoint_replay): None, or under checkpointing
+        # by ops of their own, are contiguous. `replayed` (kernels/checkpoint_replay.py): None, or under checkpointing
         # () in the first forward, which keeps nothing for the backward, and (o,) in the recomputation, which
         # computes nothing and returns the first forward's o.
         (q, sq), (k_logits, sk), (v, sv) = (token_rows(t) for t in (q, k_logits, v))
         strides = (sq, sk, sv)
         log_decay, router_logits, q_shared, k_shared_logits = (
             None if t is None else t.contiguous() for t in (log_decay, router_logits, q_shared, k_shared_logits))
-        if replay:
-            o, final, kept = replay[0].detach(), None, (None,) * 6
+        if replayed:
+            o, final, kept = replayed[0].detach(), None, (None,) * 6
         else:
             o, final, kept = _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
                                       initial_state, tables, scale, row_topk, chunk_size, decay_normalizer,
-                                      final_returned, strides, may_keep=replay is None)
+                                      final_returned, strides, may_keep=replayed is None)
         saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                          *kept, *tables[:6])
         ctx.rest = (*tables[6:], scale, row_topk, chunk_size, decay_normalizer, strides, final_returned)
@@ -547,22 +547,22 @@ def _batch_bounds(B: int, T: int, device: torch.device) -> torch.Tensor:
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                        row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       decay_normalizer=None, chunk_size=CHUNK):
+                       decay_normalizer=None, replay=None, chunk_size=CHUNK):
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
-    logits (see there)."""
+    logits, and with `replay` (a `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's
+    tables and output (see there)."""
     B, T, H, c = q.shape
     scale = c**-0.5 if scale is None else scale
-    # Under the SSE model's gradient checkpointing the recomputation takes the first forward's tables and output
-    # (`checkpoint_replay`); a caller that wants the final state gets it computed.
-    slot = None if output_final_state else checkpoint_replay.slot(B * T * H * v.shape[-1] * v.element_size())
+    # A caller that wants the final state gets it computed.
+    slot = None if output_final_state or replay is None else replay.slot(B * T * H * v.shape[-1] * v.element_size())
     if slot is not None and slot.kept is not None:
         tables, o = slot.kept
     else:
         bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
         tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
-    replay = None if slot is None else (o,) if slot.kept is not None else ()
+    replayed = None if slot is None else (o,) if slot.kept is not None else ()
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replay)
+                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replayed)
     if slot is not None and slot.kept is None:
         slot.keep(tables, o.detach())
     return o, (final if output_final_state else None)
