@@ -93,6 +93,25 @@ assert {"triton_varlen", "triton_mask", "triton_indexed"} <= set(kernels.IMPLEME
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+def test_launch_settings_are_the_devices_entry_or_the_default(monkeypatch):
+    """kernels/triton/configs.py: a GPU takes the entry its normalised name is or begins up to a "_" (the longest
+    such), any other GPU and the CPU the default; the shipped entries give every kernel the default's settings."""
+    from kernels.triton import configs
+    assert configs.device_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    for entry in configs.CONFIGS.values():
+        assert {k: set(v) for k, v in entry.items()} == {k: set(v) for k, v in configs.CONFIGS["default"].items()}
+    h100, pcie, default = ({"decode": dict(tile_bytes=n * 4096, num_warps=n)} for n in (1, 2, 3))
+    monkeypatch.setattr(configs, "CONFIGS", {"default": default, "nvidia_h100": h100, "nvidia_h100_pcie": pcie})
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA H1000", "NVIDIA H100"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[device.index])
+    monkeypatch.setattr(configs, "_entry_of", functools.cache(configs._entry_of.__wrapped__))  # names read afresh
+    got = [configs.launch_settings("decode", torch.device("cuda", i)) for i in range(len(names))]
+    assert got == [h100["decode"], pcie["decode"], default["decode"], default["decode"], h100["decode"]]
+    assert configs.launch_settings("decode", torch.device("cpu")) is default["decode"]
+    from kernels.triton.decode import default_launch  # the decode kernel's launch comes from the table
+    assert default_launch(128, 128, torch.bfloat16, torch.device("cuda", 1)) == (32, 2)  # 8 KiB of [128, 32] bf16
+
+
 @pytest.mark.parametrize("variable, value", [
     pytest.param("TRITON_INTERPRET", "1", marks=pytest.mark.triton_interpret),
     pytest.param("TRITON_F32_DEFAULT", "ieee", marks=pytest.mark.exact_f32_dots)])
@@ -315,14 +334,15 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
 
 @pytest.mark.parametrize("key_blocks", [2.0, 1.5], ids=["two-key-blocks", "second-block-part-masked"])
 def test_indexed_chunk_splits_dq_dk_dg_by_key_columns(device, key_blocks, monkeypatch):
-    """`_dq_dk_dg_kernel` runs a program per block of key columns (`LAUNCH["dq_dk_dg"]["BLOCK_C"]`, 64 of 128 on
-    the GPU); each rebuilds its columns' rows and decides on its own whether its scores take the pairwise form. Keys
-    of two blocks, or one and a half (the second block's last columns masked), against the float64 reference, on a
-    varlen batch whose head 1 decays strongly in its first half of key columns only (so one program of a chunk takes
-    the pairwise form and the other the factorised one) and the other heads mildly."""
-    from kernels.triton import indexed_chunk
-    block = 16 if device == "cpu" else indexed_chunk.LAUNCH["dq_dk_dg"]["BLOCK_C"]
-    monkeypatch.setitem(indexed_chunk.LAUNCH, "dq_dk_dg", {**indexed_chunk.LAUNCH["dq_dk_dg"], "BLOCK_C": block})
+    """`_dq_dk_dg_kernel` runs a program per block of key columns (the device's "dq_dk_dg" BLOCK_C,
+    kernels/triton/configs.py); each rebuilds its columns' rows and decides on its own whether its scores take the
+    pairwise form. Keys of two blocks, or one and a half (the second block's last columns masked), against the
+    float64 reference, on a varlen batch whose head 1 decays strongly in its first half of key columns only (so one
+    program of a chunk takes the pairwise form and the other the factorised one) and the other heads mildly."""
+    from kernels.triton.configs import launch_settings
+    launch = launch_settings("indexed_chunk", torch.device(device))
+    block = 16 if device == "cpu" else launch["dq_dk_dg"]["BLOCK_C"]
+    monkeypatch.setitem(launch, "dq_dk_dg", {**launch["dq_dk_dg"], "BLOCK_C": block})
     H, dv, lengths = (SHAPES[device][n] for n in ("H", "dv", "lengths"))
     c = int(block * key_blocks)
     cu = torch.tensor([0] + lengths, device=device).cumsum(0)

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kernels.sse import decode as twin
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows, token_stride, top1
+from kernels.triton.configs import launch_settings
 
 FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
 ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
@@ -189,16 +190,11 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
 
-def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the decode kernel for a state cache of `dtype` with c = C, d_v = V."""
-    # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
-    # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
-    # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
-    # int16: a 16 KB tile and 2 warps are the fastest on an H200 (203 us against 225 with bfloat16's launch,
-    # before the PTX load; bench/results/sse_decode_int16_variants_20261128.md).
-    fixed = dtype == torch.int16
-    tile_bytes = 16384 if fixed else 32768
-    return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
+def default_launch(C: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the decode kernel on `device` for a state cache of `dtype` with c = C, d_v = V: the
+    device's state tile bytes a program (kernels/triton/configs.py) as columns of all c rows."""
+    launch = launch_settings("decode_int16" if dtype == torch.int16 else "decode", device)
+    return min(pow2(V), max(16, launch["tile_bytes"] // (pow2(C) * dtype.itemsize))), launch["num_warps"]
 
 
 def check_state_cache(state: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
@@ -244,7 +240,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
         raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
                          f"{tuple(out.shape)}, strides {out.stride()}")
     block_c = pow2(C)
-    default_block_v, default_warps = default_launch(C, V, state.dtype)
+    default_block_v, default_warps = default_launch(C, V, state.dtype, state.device)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     ptx = state.is_cuda and torch.version.cuda is not None  # NVIDIA's GPUs (not the interpreter's CPU, not ROCm)
     args = [token_rows(x, 1)[0] for x in (q, k_logits, v, log_decay, router_logits)]

@@ -13,7 +13,7 @@ Per chunk of BT rows of one group (b = in-chunk cumulative log decay, b_last its
 The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIMIT take the pairwise form
 sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
 
-Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`'s BLOCK_V columns):
+Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of BLOCK_V columns, configs.py):
 - forward  `_chunk_sums` [NC, H, NV]: each chunk's state update, all chunks at once, float32 (in the backward
            rounded to the activations' dtype where the final state / dh0 is not used); `_scan`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels import saved_views
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
+from kernels.triton.configs import launch_settings
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -355,32 +356,17 @@ def _sources(q, keys, g, router_logits, q_shared, keys_s, g_s):
     return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
 
 
-def _launch(kernel, C, V, N, chunk_size):
-    """Block sizes and launch settings of one chunk kernel. `LAUNCH[kernel]["BLOCK_V"]` caps the value columns of
-    one program: every program of a chunk rebuilds the chunk's rows (and the output kernels its scores), so fewer,
-    wider programs rebuild them fewer times, at the cost of registers. "BLOCK_C", where given, caps the key columns
-    of one program (`_dq_dk_dg_kernel`, whose results split by key column)."""
-    launch = dict(LAUNCH[kernel])
+def _launch(kernel, C, V, N, chunk_size, device):
+    """Block sizes and launch settings of one chunk kernel on `device` (kernels/triton/configs.py). Its "BLOCK_V"
+    caps the value columns of one program; "BLOCK_C", where given, the key columns of one program
+    (`_dq_dk_dg_kernel`, whose results split by key column)."""
+    launch = dict(launch_settings("indexed_chunk", device)[kernel])
     return dict(BT=chunk_size, BLOCK_C=min(pow2(C), launch.pop("BLOCK_C", pow2(C))),
                 BLOCK_V=min(pow2(V), launch.pop("BLOCK_V")), BLOCK_N=pow2(N), **launch)
 
 
 def _chunk_grid(tables, H, V, launch):
     return (tables[3].numel(), H, cdiv(V, launch["BLOCK_V"]))
-
-
-# Launch settings of the chunk kernels (value columns per program, Triton's num_warps / num_stages): the best of
-# bench/sse_indexed_launch.py on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier
-# all-default stages, the per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients
-# bit-identical). dq_dk_dg: half the key columns a program (twice the programs, each with half the accumulators
-# and the state tiles' reads, dA computed by both), 4 warps: the op's forward+backward 2.24 -> 2.10 ms at 8k and
-# 10.09 -> 9.53 at 32k on an H200 (bench/results/sse_indexed_launch_20261129-2231_key_blocks.md; all 128 columns
-# a program ran 2.22-2.31 ms with 8 warps, 1.6-2.4x slower with 4).
-LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-          "scan": dict(BLOCK_V=64, num_warps=4, num_stages=2),
-          "output": dict(BLOCK_V=128, num_warps=8, num_stages=3),
-          "dv": dict(BLOCK_V=128, num_warps=8, num_stages=3),
-          "dq_dk_dg": dict(BLOCK_C=64, BLOCK_V=64, num_warps=4, num_stages=2)}
 
 
 class _IndexedChunk(torch.autograd.Function):
@@ -433,10 +419,11 @@ class _IndexedChunk(torch.autograd.Function):
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         index = (row_token, cu, chunk_first, chunk_group)
-        launch = _launch("dv", C, V, N, chunk_size)
+        launch = _launch("dv", C, V, N, chunk_size, q.device)
         _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
                                                       H, C, V, N, P, sq, scale, **launch)
-        launch = _launch("dq_dk_dg", C, V, N, chunk_size)  # [chunk slots, heads, key blocks]: it loops over values
+        # [chunk slots, heads, key blocks]: it loops over values
+        launch = _launch("dq_dk_dg", C, V, N, chunk_size, q.device)
         _dq_dk_dg_kernel[(chunk_group.numel(), H, cdiv(C, launch["BLOCK_C"]))](
             *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
             P, sq, sv, scale, **launch)
@@ -465,7 +452,7 @@ def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits
                         exact_last=final_returned)
     o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
     q_, keys, g, e, qs, keys_s, gs = sources
-    launch = _launch("output", C, V, N, chunk_size)
+    launch = _launch("output", C, V, N, chunk_size, v.device)
     _output_kernel[_chunk_grid(tables, H, V, launch)](
         row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
         P, sq, sv, scale, **launch)
@@ -494,13 +481,13 @@ def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_l
     V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
     sums = torch.empty(H, NC, C, V, dtype=torch.float32 if exact_last else x.dtype, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
-    launch = _launch("chunk_sums", C, V, N, chunk_size)
+    launch = _launch("chunk_sums", C, V, N, chunk_size, q.device)
     _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
                                                           qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, sq, sx,
                                                           scale, query, **launch)
     states = sums if sums.dtype == x.dtype else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
-    launch = _launch("scan", C, V, N, chunk_size)
+    launch = _launch("scan", C, V, N, chunk_size, q.device)
     block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
     tiles = cdiv(C, block_c) * cdiv(V, block_v)
     _scan_kernel[(tiles, H, G)](sums, states, decay, chunk_first, init.contiguous() if init is not None else last,
