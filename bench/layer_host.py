@@ -16,7 +16,6 @@ forward + backward) with the GPU held by a sleep kernel, so that only the host's
 layer_host_pieces_<date>.json.
 """
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kernels import CheckpointReplay  # noqa: E402
+from kernels import checkpoint_replay  # noqa: E402
 from train_step import SHAPE, fuse_norms  # noqa: E402
 
 
@@ -50,23 +49,14 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
 
 def fwd_bwd(fn, *inputs, checkpointing=None):
     """One forward + backward of fn(*inputs).sum(); `checkpointing`: torch.utils.checkpoint's keyword arguments
-    (e.g. `CHECKPOINT`, `SSE_CHECKPOINT`), or None for a plain call."""
-    out = fn(*inputs) if checkpointing is None else checkpointed(fn, *inputs, checkpointing=checkpointing)
+    (e.g. `CHECKPOINT`), or None for a plain call."""
+    out = fn(*inputs) if checkpointing is None else checkpoint(fn, *inputs, **checkpointing)
     out.sum().backward()
 
 
 CHECKPOINT = dict(use_reentrant=False)  # as bench/train_step.py's gradient checkpointing
 # ... of an SSE layer, which SSEModel checkpoints with the operator's replay (kernels/checkpoint_replay.py)
-SSE_CHECKPOINT = dict(CHECKPOINT)
-
-
-def checkpointed(fn, *inputs, checkpointing):
-    """checkpoint(fn, *inputs, **checkpointing); with SSE_CHECKPOINT, `fn` an SSE layer's call taking `replay`,
-    with a replay of the operator of its own, as SSEModel checkpoints an SSE layer."""
-    if checkpointing is SSE_CHECKPOINT:
-        replay = CheckpointReplay()
-        fn, checkpointing = functools.partial(fn, replay=replay), dict(checkpointing, context_fn=replay.contexts)
-    return checkpoint(fn, *inputs, **checkpointing)
+SSE_CHECKPOINT = dict(CHECKPOINT, context_fn=checkpoint_replay.contexts)
 
 
 def layers(T: int, device: str = "cuda", shape: dict = SHAPE, sse_impl: str = "auto"):
@@ -87,7 +77,7 @@ def layers(T: int, device: str = "cuda", shape: dict = SHAPE, sse_impl: str = "a
     x = torch.randn(1, T, shape["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(T, device=device)[None]
     rope = Qwen3RotaryEmbedding(qwen_config).to(device)(x, position_ids)
-    return (sse.to(device, torch.bfloat16), lambda h, replay=None: sse(h, replay=replay)[0],
+    return (sse.to(device, torch.bfloat16), lambda h: sse(h)[0],
             qwen.to(device, torch.bfloat16), lambda h: qwen(h, position_embeddings=rope, attention_mask=None,
                                                             position_ids=position_ids), x)
 

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from layer_host import CHECKPOINT, SSE_CHECKPOINT, checkpointed, layers  # noqa: E402
+from layer_host import CHECKPOINT, SSE_CHECKPOINT, layers  # noqa: E402
 from train_step import SHAPE  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
@@ -98,7 +99,7 @@ def measure() -> dict:
                         out.float().sum().backward()
                     else:
                         checkpointing = SSE_CHECKPOINT if name == "SSE" else CHECKPOINT
-                        checkpointed(fn, x, checkpointing=checkpointing).float().sum().backward()
+                        checkpoint(fn, x, **checkpointing).float().sum().backward()
                 rows[part] = dict(aten_ops=ops.count, launches=sum(launches.values()), by_kernel=dict(launches))
                 if part == "forward":  # each runs checkpoint's Python hooks three times a checkpointed step
                     rows[part]["saved_tensors"] = len(saved)

@@ -91,7 +91,7 @@ def main(argv=None):
     from kernels.triton.decode import default_launch
     launches = [("token", "any", 0, 4)]  # one launch per step, whatever the cache (num_warps as launched)
     for state in ("int16", "bfloat16"):
-        launches.append(("decode", state, *default_launch(128, 128, getattr(torch, state), torch.device("cuda"))))
+        launches.append(("decode", state, *default_launch(128, 128, getattr(torch, state))))
     for kernel, state, block_v, num_warps in launches:
         name = f"{kernel}_{state}_{block_v}x{num_warps}"
         usage, sass = machine_code(compile_kernel(kernel, state, block_v, num_warps), args.out, name)

@@ -1,4 +1,4 @@
-"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/configs.py, "indexed_chunk"): value columns
+"""Launch sweep of the SSE training operator's chunk kernels (kernels/triton/indexed_chunk.py, `LAUNCH`): value columns
 per program (BLOCK_V; key columns, BLOCK_C, for dq_dk_dg), Triton's num_warps and num_stages per kernel, one kernel
 at a time (each keeps the best found before it), timed as the whole operator's forward+backward (bf16, N = 4, K = 1 +
 shared, 16 heads of 128, one sequence of T tokens). Settings that do not fit the GPU (shared memory, registers) are
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels import sse_attention
-from kernels.triton.configs import launch_settings
+from kernels.triton import indexed_chunk
 from sse_op import DV, H, sse_inputs, time_sse  # the op benchmark's inputs and timing
 
 CANDIDATES = {
@@ -52,13 +52,12 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
-    LAUNCH = launch_settings("indexed_chunk", torch.device("cuda"))  # the table's own: the sweep writes into it
-    shipped = copy.deepcopy(LAUNCH)
+    shipped = copy.deepcopy(indexed_chunk.LAUNCH)
     sweep = {}
     for name in args.kernels:
         rows = []
         for launch in CANDIDATES[name]:
-            LAUNCH[name] = launch
+            indexed_chunk.LAUNCH[name] = launch
             try:
                 rows.append((time_sse("triton_indexed", args.sweep_T, 4), launch))
             except triton.runtime.errors.OutOfResources as e:
@@ -67,16 +66,16 @@ def main():
                 continue
             print(f"{name:11s} {launch} {rows[-1][0]:.3f} ms", flush=True)
         best_ms, best = min(rows, key=lambda r: r[0])
-        LAUNCH[name] = best
+        indexed_chunk.LAUNCH[name] = best
         sweep[name] = [dict(ms=ms, **launch) for ms, launch in rows]
-    best = copy.deepcopy(LAUNCH)
+    best = copy.deepcopy(indexed_chunk.LAUNCH)
 
     final, drift = [], []
     for T in args.lengths:
-        LAUNCH.update(copy.deepcopy(shipped))
+        indexed_chunk.LAUNCH.update(copy.deepcopy(shipped))
         shipped_ms = time_sse("triton_indexed", T, 4)
         ref = outputs(T) if T == args.lengths[0] else None
-        LAUNCH.update(copy.deepcopy(best))
+        indexed_chunk.LAUNCH.update(copy.deepcopy(best))
         best_ms = time_sse("triton_indexed", T, 4)
         if ref is not None:
             drift = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(outputs(T), ref)]
