@@ -86,15 +86,14 @@ def _installed(*modules: str) -> bool:
 
 
 def pick_implementation(device: torch.device, top_k: int | None = None, num_partitions: int | None = None) -> str:
-    # On GPU our indexed chunk kernels beat the varlen layout around fla's chunk_gla at 4k-64k tokens (H100,
-    # 1.26-2.2x: no materialised rows, and no host synchronisation, so no fixed cost at short lengths). The mask
-    # layout, faster than varlen below ~2.4k tokens on an H200, was not timed against them; kernels/NOTES.md.
+    # On GPU our indexed chunk kernels: no materialised rows, and no host synchronisation, so no fixed cost at short
+    # lengths, where the varlen and mask layouts around fla's chunk_gla pay both (`python -m bench.op` times all three
+    # against chunk_gla itself).
     if device.type == "cuda" and _installed("triton"):
         return "triton_indexed"
     # On CPU the varlen layout's work grows with K + 1 rows per token, the mask's with N + 1 key blocks. At K = N the
-    # mask layout does less (one score matrix per head, not K + 1) and needs no routing sort or row gathers: on the
-    # MQAR SFT batch (64 x 192, N = 4, fwd+bwd) 155 ms against varlen's 270 at K = 4, while varlen wins at K = 2
-    # (130 against 159 ms) and K = 1 (106 against 199); bench/results/sse_cpu_2026-11-25.json.
+    # mask layout does less (one score matrix per head, not K + 1) and needs no routing sort or row gathers; below it
+    # the varlen layout's K + 1 rows are the fewer (`python -m bench.op --device cpu` times both).
     if top_k is not None and top_k == num_partitions:
         return "chunk_torch_mask"
     return "chunk_torch_varlen"

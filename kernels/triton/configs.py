@@ -3,10 +3,10 @@
 Keys are device names as `torch.cuda.get_device_name()` gives them, normalised (`device_key`): "NVIDIA H100 80GB
 HBM3" is "nvidia_h100_80gb_hbm3". An entry applies to the device whose key it is or begins (up to a "_"), the longest
 such entry, so "nvidia_h100" covers the H100's SXM, PCIe and NVL parts; a device with no entry, and the CPU under
-Triton's interpreter, takes "default". Launch settings split the same work among programs differently; what is
-fastest is the device's own, so an entry records what the sweeps of `python -m bench.op` found on that device (with
-the outputs and gradients checked against the previous settings'), and a device tuned later gets an entry of its
-own.
+Triton's interpreter, takes "default". Launch settings split the same work among programs differently, and what
+is fastest is the device's own: an entry records the settings found fastest on its device, with outputs and
+gradients checked against the previous settings' (`python -m bench.op --base REV` times a changed entry against the
+revision before it); a device tuned later gets an entry of its own.
 """
 import functools
 import re
@@ -26,9 +26,9 @@ _HOPPER = {
                       "dv": dict(BLOCK_V=128, num_warps=8, num_stages=3),
                       "dq_dk_dg": dict(BLOCK_C=64, BLOCK_V=64, num_warps=4, num_stages=2)},
     # The decode kernel (decode.py): bytes of state tile a program, and warps. A tile sized in bytes, not columns,
-    # gives a bfloat16 cache's programs as much to move as a float32 cache's (with a fixed column count bfloat16 lost
-    # most of its halved traffic); an int16 cache converts every value on the way in and out and keeps more
-    # programs in flight with smaller tiles and fewer warps.
+    # gives a bfloat16 cache's programs as much to move as a float32 cache's (with a fixed column count a bfloat16
+    # cache gains little from moving half the bytes); an int16 cache converts every value on the way in and out and
+    # keeps more programs in flight with smaller tiles and fewer warps.
     "decode": dict(tile_bytes=32768, num_warps=4),
     "decode_int16": dict(tile_bytes=16384, num_warps=2),
 }

@@ -45,9 +45,9 @@ CHUNK = 64               # rows per chunk
 # and `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
 # makes them again. The states cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with one
 # routed partition + the shared one at 16 heads of 128 x 128), the keys, shared keys and log-decays 6 bytes per
-# token, head and key column (bf16): 137 + 101 MB at 8k tokens, kept; 0.54 + 0.40 GB at 32k, made again. Making
-# them is `_keys_kernel` + `_chunk_sums` + `_scan`, ~0.35 ms a layer at 8k (~3 % of the 6-layer bench model's
-# step, kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+# token, head and key column (bf16): at 8k tokens they fit and are kept, at 32k they are made again. Making them is
+# three launches (`_keys_kernel`, `_chunk_sums`, `_scan`) in the backward. Long rows are where memory binds, short
+# ones where the recompute shows (`python -m bench.train_step` at 8k and 32k tokens).
 KEPT_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
@@ -142,7 +142,7 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
 
 # Arguments that count tokens, groups or chunks (G, NC, num_slots here, L / num_segments in routing.py, R in the
 # norm gate) change with every vLLM prefill step and packed batch; specialised on being 1 or a multiple of 16 they
-# compiled a new variant for ~1 s in the middle of a rollout (bench/results/vllm_rollouts_small_compiles_20261127.md).
+# would compile a new variant, which takes seconds, in the middle of a rollout (`python -m bench.rollouts`).
 @triton.jit(do_not_specialize=["G", "NC"])
 def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
                        qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, SQ, SX, scale,
@@ -373,8 +373,8 @@ class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
                 scale, row_topk, chunk_size, decay_normalizer, final_returned, replayed):
-        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view costs
-        # the host 2-5 us, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
+        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view is host
+        # work, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
         # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
         # by ops of their own, are contiguous. `replayed` (kernels/checkpoint_replay.py): None, or under checkpointing
         # () in the first forward, which keeps nothing for the backward, and (o,) in the recomputation, which
