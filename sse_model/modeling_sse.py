@@ -181,10 +181,8 @@ class SSELayer(nn.Module):
         again the inputs that are cheap to (`kernels.recomputed_when_saved`)."""
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
         weights = self.projection_weights()
-        if weights is None:
-            p = self.projections_by_modules(x, pad)
-        else:
-            p = kernels.sse_input_projections(x, self.num_heads, weights, pad=pad, recipes=recipes)
+        p = (self.projections_by_modules(x, pad) if weights is None else
+             kernels.sse_input_projections(x, self.num_heads, weights, pad=pad, recipes=recipes))
         inputs = dict(q=p.q, k_logits=p.k_logits, v=p.v, log_decay=p.decay_logits, router_logits=p.router_logits)
         if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
             inputs["q_shared"] = p.q if p.q_shared is None else p.q_shared
@@ -194,13 +192,11 @@ class SSELayer(nn.Module):
     def projection_weights(self) -> kernels.ProjectionWeights | None:
         """The projections' weights for the fused node, or None where one of them is wrapped (PEFT adapters,
         quantised layers): those must run their own forward, so they go through the modules."""
-        lora = hasattr(self, "q_shared_up")
+        lora = ["q_shared_down", "q_shared_up", "k_shared_down", "k_shared_up"] if hasattr(self, "q_shared_up") else []
         modules = [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.router, self.decay_down, self.decay_up]
-        modules += [self.q_shared_down, self.q_shared_up, self.k_shared_down, self.k_shared_up] if lora else []
-        if not all(type(m) is nn.Linear for m in modules):
+        if not all(type(m) is nn.Linear for m in modules + [getattr(self, name) for name in lora]):
             return None
-        shared = {name: getattr(self, name).weight for name in
-                  ("q_shared_down", "q_shared_up", "k_shared_down", "k_shared_up")} if lora else {}
+        shared = {name: getattr(self, name).weight for name in lora}
         return kernels.ProjectionWeights(
             q=self.q_proj.weight, q_bias=self.q_proj.bias, k=self.k_proj.weight, k_bias=self.k_proj.bias,
             v=self.v_proj.weight, v_bias=self.v_proj.bias, gate=self.g_proj.weight, gate_bias=self.g_proj.bias,
@@ -237,9 +233,8 @@ class SSELayer(nn.Module):
 
     # Under torch.compile the layer runs eagerly, a graph break in the compiled model: its autograd nodes keep
     # weights by reference and tensors through saved-tensor hooks and the checkpoint replay, and launch Triton
-    # kernels, none of which dynamo traces soundly (traced, an SSE-H training step ended in an illegal memory
-    # access; the compiled-model GPU test in tests/test_model.py runs the step). The compiled graph takes the rest:
-    # norms, MLPs, attention layers, the loss.
+    # kernels, which dynamo does not trace soundly (a traced SSE-H training step ended in an illegal memory access;
+    # tests/test_model.py compiles the model). The compiled graph takes the rest: norms, MLPs, attention, the loss.
     @torch.compiler.disable
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None, replay=None):
         """`replay`: a `kernels.CheckpointReplay` when this call runs inside torch's checkpoint with its contexts
@@ -414,10 +409,9 @@ class SSEModel(SSEPreTrainedModel):
                 inputs_embeds=None, use_cache=None, **kwargs):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            # A cache written in the forward would be written again when checkpointed layers recompute it.
-            use_cache = False
+        checkpointed = self.gradient_checkpointing and self.training
+        # A cache written in the forward would be written again when checkpointed layers recompute it.
+        use_cache = (self.config.use_cache if use_cache is None else use_cache) and not checkpointed
         if use_cache and past_key_values is None:
             past_key_values = SSECache(self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -450,7 +444,6 @@ class SSEModel(SSEPreTrainedModel):
                     past_key_values=past_key_values if past_len else None,
                     position_ids=position_ids if packable else None)
         router_logits = []
-        checkpointed = self.gradient_checkpointing and self.training
         # torch's non-reentrant checkpoint, as transformers sets it up by default, lets an SSE layer's recomputation
         # take the operator's tables and output from the first forward (kernels/checkpoint_replay.py).
         replays = checkpointed and kernels.CheckpointReplay.applies_to(self._gradient_checkpointing_func)
