@@ -40,6 +40,8 @@ IMPLEMENTATIONS = {
 }
 # The paths that take decay logits and `decay_normalizer` themselves; sse_attention computes log a for the others.
 TAKES_DECAY_LOGITS = {"triton_indexed"}
+# The paths whose checkpoint recomputation can replay the first forward (`replay`); the others compute again.
+TAKES_REPLAY = {"triton_indexed"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("decode", "sse_decode_triton")}
 READ_STATES_IMPLEMENTATIONS = {"torch": read_states_torch,
                                "triton": _lazy("state_cache", "read_states_triton")}
@@ -89,15 +91,14 @@ def _installed(*modules: str) -> bool:
 
 
 def pick_implementation(device: torch.device, top_k: int | None = None, num_partitions: int | None = None) -> str:
-    # On GPU our indexed chunk kernels beat the varlen layout around fla's chunk_gla at 4k-64k tokens (H100,
-    # 1.26-2.2x: no materialised rows, and no host synchronisation, so no fixed cost at short lengths). The mask
-    # layout, faster than varlen below ~2.4k tokens on an H200, was not timed against them; kernels/NOTES.md.
+    # On GPU our indexed chunk kernels: no materialised rows, and no host synchronisation, so no fixed cost at short
+    # lengths, where the varlen and mask layouts around fla's chunk_gla pay both (`python -m bench.op` times all three
+    # against chunk_gla itself).
     if device.type == "cuda" and _installed("triton", TRITON_KERNELS):
         return "triton_indexed"
     # On CPU the varlen layout's work grows with K + 1 rows per token, the mask's with N + 1 key blocks. At K = N the
-    # mask layout does less (one score matrix per head, not K + 1) and needs no routing sort or row gathers: on the
-    # MQAR SFT batch (64 x 192, N = 4, fwd+bwd) 155 ms against varlen's 270 at K = 4, while varlen wins at K = 2
-    # (130 against 159 ms) and K = 1 (106 against 199); bench/results/sse_cpu_2026-11-25.json.
+    # mask layout does less (one score matrix per head, not K + 1) and needs no routing sort or row gathers; below it
+    # the varlen layout's K + 1 rows are the fewer (`python -m bench.op --device cpu` times both).
     if top_k is not None and top_k == num_partitions:
         return "chunk_torch_mask"
     return "chunk_torch_varlen"
@@ -105,7 +106,7 @@ def pick_implementation(device: torch.device, top_k: int | None = None, num_part
 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                   row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  decay_normalizer=None, impl="auto"):
+                  decay_normalizer=None, replay=None, impl="auto"):
     """SSE over whole sequences (docs/model.md).
 
     q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
@@ -113,6 +114,9 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer, as
     in `sse_decode`: the indexed Triton path takes it inside its kernels and keeps only x (bf16 in training) for
     its backward; the others get log a computed here.
+    With `replay` (a `kernels.CheckpointReplay`, for a call inside torch's checkpoint with the replay's contexts),
+    the indexed Triton path's recomputation takes the first forward's routing and output instead of computing them
+    again; the others compute again, as without it.
     Returns (o [B, T, H, d_v], final_state [B or segments, H, N + shared, c, d_v] or None), shared partition last.
     """
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
@@ -126,6 +130,8 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
         fused["decay_normalizer"] = decay_normalizer
     elif decay_normalizer is not None:
         log_decay = log_decay_from_logits(log_decay, decay_normalizer)
+    if replay is not None and impl in TAKES_REPLAY:
+        fused["replay"] = replay
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                                  k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,

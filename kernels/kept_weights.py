@@ -1,8 +1,8 @@
 """Weights an autograd Function keeps for its backward as references on ctx instead of saved tensors.
 
 Under gradient checkpointing every saved tensor runs Python hooks three times a step (packed in the forward,
-packed again in the recomputation, unpacked in the backward), and the SSE layer saved 17 weights and biases
-a forward (kernels/NOTES.md: the host's time bounds the 8k training step with checkpointing). Weights are not
+packed again in the recomputation, unpacked in the backward), and the SSE layer has 17 weights and biases, in a
+step whose host time bounds it at short lengths (`python -m bench.train_step` with checkpointing). Weights are not
 activations: checkpointing frees none of them, so they need no hook. What saving them gave besides is kept here:
 the backward refuses weights modified in place after the forward, as autograd does for saved tensors.
 """

@@ -2,11 +2,11 @@
 
 Every saved tensor costs the host a saved-variable pack, and under gradient checkpointing Python hooks three times
 a step (packed in the forward, packed again in the recomputation, unpacked in the backward); the host's time bounds
-the 8k training step with checkpointing (kernels/NOTES.md). The SSE operator saved 19 tensors a call in training,
-13 of them views of four allocations (q, k and v: column blocks of the projections' GEMM output; the six routing
-tables: carved from two; the keys and log-decays of `_keys_kernel`: from one); now 10. A view keeps its base's
-storage alive anyway, so saving the base keeps the same memory, and autograd's check of in-place changes sees the
-same version counter (a view shares its base's).
+short checkpointed training steps (`python -m bench.train_step`). Of the 19 tensors the SSE operator saves a call in
+training, 13 are views of four allocations (q, k and v: column blocks of the projections' GEMM output; the six
+routing tables: carved from two; the keys and log-decays of `_keys_kernel`: from one), so it saves 10. A view keeps
+its base's storage alive anyway, so saving the base keeps the same memory, and autograd's check of in-place changes
+sees the same version counter (a view shares its base's).
 """
 
 

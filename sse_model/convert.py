@@ -7,7 +7,7 @@ Layers kept as softmax attention, the MLPs, norms, embeddings and head are copie
 q/k/v biases and tied embeddings included), so a conversion that keeps every layer reproduces the source's logits.
 The other attention layers become SSE layers (docs/model.md) built from the attention they replace.
 
-How an SSE layer is initialised, and why (measurements: docs/conversion.md, `python bench/convert.py`):
+How an SSE layer is initialised, and why (measurements: docs/conversion.md):
 - W_q, W_k, W_v, W_o come from the attention; grouped-query K/V heads are repeated so that SSE query head h uses
   the K/V head attention head h used. Qwen3's q/k RMSNorm weights are folded into the rows of W_q / W_k; the
   per-token normalisation itself is dropped: the SSE output is normalised per head anyway (o_norm), which makes the

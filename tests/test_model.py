@@ -11,6 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import kernels
 from conftest import rel_err
 from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
@@ -259,8 +260,8 @@ def test_router_logits_are_float32_whatever_the_compute_dtype():
 @pytest.mark.gpu
 def test_router_logits_on_cuda_are_one_gemm_with_float32_output(monkeypatch):
     """On CUDA a bf16 model's router logits come from one GEMM of the bf16 x and W with float32 output when no
-    gradient is recorded (`float32_router`), and are the float32 product up to the order of its sum; with a gradient
-    to record they come from the float32 copies as on the CPU."""
+    gradient is recorded (`kernels.float32_router`), and are the float32 product up to the order of its sum; with a
+    gradient to record they come from the float32 copies as on the CPU."""
     torch.manual_seed(0)
     x = torch.randn(3, 257, 2048, device="cuda").bfloat16()
     w = torch.randn(4, 2048, device="cuda").bfloat16()
@@ -268,9 +269,9 @@ def test_router_logits_on_cuda_are_one_gemm_with_float32_output(monkeypatch):
     calls = []
     mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(k.get("out_dtype")) or mm(*a, **k))
-    fast = modeling_sse.float32_router(x, w)
+    fast = kernels.float32_router(x, w)
     assert calls == [torch.float32]
-    recorded = modeling_sse.float32_router(x.requires_grad_(), w)
+    recorded = kernels.float32_router(x.requires_grad_(), w)
     assert calls == [torch.float32] and recorded.requires_grad
     for logits in (fast, recorded):
         assert logits.dtype == torch.float32 and logits.shape == (3, 257, 4)
@@ -279,9 +280,10 @@ def test_router_logits_on_cuda_are_one_gemm_with_float32_output(monkeypatch):
 
 @pytest.mark.parametrize("lora, padded", [(3, False), (0, False), (3, True)])
 def test_input_projections_gradients_in_float64(lora, padded):
-    """SSEInputProjections' hand-written backward is the derivative of its forward (gradcheck over x and every
+    """The fused input projections' hand-written backward is the derivative of its forward (gradcheck over x and every
     weight and bias, with and without the shared partition's low-rank terms, and with pad tokens, whose v it
-    zeroes)."""
+    zeroes). The node itself: the public function pads the decay logits with +inf, where differences are NaN."""
+    from kernels.modules.projections import _InputProjections
     torch.manual_seed(0)
     D, H, c, dv, N, r = 6, 2, 3, 2, 3, 2
 
@@ -291,7 +293,7 @@ def test_input_projections_gradients_in_float64(lora, padded):
     pad = torch.tensor([[True, False, False], [False, False, True]])[..., None, None] if padded else None
     args = (t(2, 3, D), H, pad, t(H * c, D), t(H * c), t(H * c, D), t(H * c), t(H * dv, D), t(H * dv), t(H * dv, D),
             t(H * dv), t(N, D), t(r, D), t(H * c, r), t(H * c), *shared)
-    assert torch.autograd.gradcheck(lambda *a: [y for y in modeling_sse.SSEInputProjections.apply(*a)[:8]
+    assert torch.autograd.gradcheck(lambda *a: [y for y in _InputProjections.apply(*a)[:8]
                                                 if y is not None], args)
 
 
@@ -332,9 +334,7 @@ def test_input_projections_match_the_modules(dtype, autocast):
             if by_modules:
                 outs = layer.projections_by_modules(leaf)
             else:
-                inputs, gate = layer.project(leaf)
-                outs = (inputs["q"], inputs["k_logits"], inputs["v"], gate, inputs["log_decay"], inputs["q_shared"],
-                        inputs["k_shared_logits"], inputs["router_logits"])
+                outs = kernels.sse_input_projections(leaf, layer.num_heads, layer.projection_weights())
         dys = dys or [torch.randn_like(o) for o in outs]
         grads = torch.autograd.grad(outs, [leaf, *weights], dys)
         results.append((outs, grads))
@@ -544,34 +544,40 @@ def test_compiled_model_trains_as_eager(device, checkpointing, monkeypatch):
     ({"use_reentrant": False}, True, False),  # the kept outputs would stay on the GPU
 ], ids=["non-reentrant", "reentrant", "caller-context", "offload"])
 def test_checkpointed_sse_layers_replay_the_operator_where_checkpoint_allows(kwargs, offload, replays, monkeypatch):
-    """Under transformers' non-reentrant checkpointing the SSE layers' checkpoint gets
-    `kernels.checkpoint_replay.contexts` (the indexed operator's recomputation replays the first forward:
-    tests/test_triton_kernels.py), the attention layers' nothing; a reentrant checkpoint, the caller's own
-    context_fn or transformers' offloading keeps checkpoint as given. Each trains (offloading needs pinned memory)."""
+    """Under transformers' non-reentrant checkpointing each SSE layer's checkpoint gets the `contexts` of a
+    `kernels.CheckpointReplay` of its own, which the layer passes to its operator (the indexed operator's
+    recomputation replays the first forward: tests/test_triton_kernels.py), the attention layers' nothing; a
+    reentrant checkpoint, the caller's own context_fn or transformers' offloading keeps checkpoint as given. Each
+    trains (offloading needs pinned memory)."""
     from torch.utils import checkpoint as torch_checkpoint
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    from kernels import checkpoint_replay
     if kwargs.get("context_fn") == "caller's":
         kwargs = dict(kwargs, context_fn=lambda: create_selective_checkpoint_contexts([]))
-    given = []
-    real = torch_checkpoint.checkpoint
+    given, operator_replays = [], []
+    real, real_attention = torch_checkpoint.checkpoint, kernels.sse_attention
 
     def recorded(fn, *args, **kw):
-        given.append(kw["context_fn"] if kw.get("context_fn") is checkpoint_replay.contexts else None)
+        replay = getattr(kw.get("context_fn"), "__self__", None)
+        given.append(replay if isinstance(replay, kernels.CheckpointReplay) else None)
         return real(fn, *args, **kw)
     # transformers calls checkpoint through the name it imported; the model compares with torch's
     monkeypatch.setattr(modeling_utils, "checkpoint", recorded)
     monkeypatch.setattr(torch_checkpoint, "checkpoint", recorded)
+    monkeypatch.setattr(kernels, "sse_attention",
+                        lambda *a, replay, **kw: operator_replays.append(replay) or real_attention(*a, **kw))
     model = model_for("sse_n4k2").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, offload=offload)
+    assert kernels.CheckpointReplay.applies_to(model.model._gradient_checkpointing_func) == replays
     if offload:  # its pinned host memory needs an accelerator to run
-        assert model.model._checkpoint_replay() == {}
         return
     ids = torch.randint(1, 97, (2, 13))
     model(input_ids=ids, labels=ids).loss.backward()
     sse = [t == SSE_LAYER for t in model.config.layer_types]
-    assert given == [checkpoint_replay.contexts if replays and s else None for s in sse], given
+    assert [r is not None for r in given] == [replays and s for s in sse], given
+    assert len(set(map(id, filter(None, given)))) == sum(r is not None for r in given)  # one replay per layer call
+    # each SSE layer's operator got its checkpoint's replay, in the forward and (in reverse) in the recomputation
+    layer_replays = [r for r in given if r is not None]
+    assert operator_replays == (layer_replays + layer_replays[::-1] if replays else [None] * len(operator_replays))
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
@@ -586,8 +592,7 @@ def test_cheap_inputs_are_recomputed_in_the_backward_bit_for_bit(dtype, padded, 
     Triton path's, all: tests/test_triton_kernels.py); W_o always saves its input, so the output step runs again
     and its output's memory is free between the forward and the backward. (Recipes apply above
     RECIPES_ABOVE_BYTES; this layer's tensors are tiny, so the bar is lowered to every size.)"""
-    import kernels
-    monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", -1)
+    monkeypatch.setattr("kernels.modules.recompute.RECIPES_ABOVE_BYTES", -1)
     torch.manual_seed(0)
     layer = SSEForCausalLM(tiny_config(sse_lora_rank=lora)).model.layers[0].linear_attn.to(dtype)
     x = torch.randn(2, 9, 64, dtype=dtype)
@@ -631,9 +636,9 @@ def test_recipes_up_to_their_size_bar_are_kept(monkeypatch):
         return x.detach() * 2
     for bar, remade in ((x.numel() * 4, 0), (x.numel() * 4 - 1, 1)):
         made.clear()
-        monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", bar)
+        monkeypatch.setattr("kernels.modules.recompute.RECIPES_ABOVE_BYTES", bar)
         y = x * 2  # 128 bytes
-        with modeling_sse.recomputed_when_saved([(y, recipe)]):
+        with kernels.recomputed_when_saved([(y, recipe)]):
             z = y.sin().sum()  # sin saves y
         z.backward()
         assert len(made) == remade

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import rel_err, sse_inputs
-from kernels import sse_attention, sse_decode
+from kernels import CheckpointReplay, sse_attention, sse_decode
+from kernels.checkpoint_replay import KEPT_BYTES
 from kernels.dispatch import pick_implementation
 from kernels.gla import recurrent_gla_reference
 from kernels.sse import softmax_keys, states_from_cache, states_to_cache
@@ -254,3 +255,27 @@ def test_gla_core_both_score_forms(dtype, tol, decays, layout):
     assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
     for name, got, want in zip(["q", "k", "v", "g", "initial_state"], grads, ref_grads):
         assert rel_err(got, want) < tol, name
+
+
+def test_checkpoint_replay_gives_slots_only_inside_its_passes():
+    """A `CheckpointReplay` gives the operator a slot only inside one of its contexts and up to KEPT_BYTES: in the
+    first forward an empty one whose `keep` stores, in the recomputation what the forward kept in call order (from
+    the first call again in a second recomputation, as a retained graph's second backward runs); a recomputation
+    with more operator calls than its forward is refused (the operator's replay: tests/test_triton_kernels.py)."""
+    replay = CheckpointReplay()
+    forward, recomputation = replay.contexts()
+    assert replay.slot(8) is None  # not inside checkpoint
+    with forward:
+        assert replay.slot(KEPT_BYTES + 1) is None  # too large: computed on both passes
+        for i in range(2):
+            slot = replay.slot(KEPT_BYTES)
+            assert slot.kept is None
+            slot.keep(i)
+    assert replay.slot(8) is None
+    for _ in range(2):
+        with recomputation:
+            assert replay.slot(KEPT_BYTES + 1) is None
+            assert [replay.slot(8).kept for _ in range(2)] == [(0,), (1,)]
+    with recomputation, pytest.raises(RuntimeError, match="more SSE operator calls than its forward"):
+        for _ in range(3):
+            replay.slot(8)

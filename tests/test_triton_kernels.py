@@ -93,6 +93,25 @@ assert {"triton_varlen", "triton_mask", "triton_indexed"} <= set(kernels.IMPLEME
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+def test_launch_settings_are_the_devices_entry_or_the_default(monkeypatch):
+    """kernels/triton/configs.py: a GPU takes the entry its normalised name is or begins up to a "_" (the longest
+    such), any other GPU and the CPU the default; the shipped entries give every kernel the default's settings."""
+    from kernels.triton import configs
+    assert configs.device_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    for entry in configs.CONFIGS.values():
+        assert {k: set(v) for k, v in entry.items()} == {k: set(v) for k, v in configs.CONFIGS["default"].items()}
+    h100, pcie, default = ({"decode": dict(tile_bytes=n * 4096, num_warps=n)} for n in (1, 2, 3))
+    monkeypatch.setattr(configs, "CONFIGS", {"default": default, "nvidia_h100": h100, "nvidia_h100_pcie": pcie})
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA H1000", "NVIDIA H100"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[device.index])
+    monkeypatch.setattr(configs, "_entry_of", functools.cache(configs._entry_of.__wrapped__))  # names read afresh
+    got = [configs.launch_settings("decode", torch.device("cuda", i)) for i in range(len(names))]
+    assert got == [h100["decode"], pcie["decode"], default["decode"], default["decode"], h100["decode"]]
+    assert configs.launch_settings("decode", torch.device("cpu")) is default["decode"]
+    from kernels.triton.decode import default_launch  # the decode kernel's launch comes from the table
+    assert default_launch(128, 128, torch.bfloat16, torch.device("cuda", 1)) == (32, 2)  # 8 KiB of [128, 32] bf16
+
+
 @pytest.mark.parametrize("variable, value", [
     pytest.param("TRITON_INTERPRET", "1", marks=pytest.mark.triton_interpret),
     pytest.param("TRITON_F32_DEFAULT", "ieee", marks=pytest.mark.exact_f32_dots)])
@@ -315,14 +334,15 @@ def test_indexed_chunk_pairwise_scores_for_strong_decays(device):
 
 @pytest.mark.parametrize("key_blocks", [2.0, 1.5], ids=["two-key-blocks", "second-block-part-masked"])
 def test_indexed_chunk_splits_dq_dk_dg_by_key_columns(device, key_blocks, monkeypatch):
-    """`_dq_dk_dg_kernel` runs a program per block of key columns (`LAUNCH["dq_dk_dg"]["BLOCK_C"]`, 64 of 128 on
-    the GPU); each rebuilds its columns' rows and decides on its own whether its scores take the pairwise form. Keys
-    of two blocks, or one and a half (the second block's last columns masked), against the float64 reference, on a
-    varlen batch whose head 1 decays strongly in its first half of key columns only (so one program of a chunk takes
-    the pairwise form and the other the factorised one) and the other heads mildly."""
-    from kernels.triton import indexed_chunk
-    block = 16 if device == "cpu" else indexed_chunk.LAUNCH["dq_dk_dg"]["BLOCK_C"]
-    monkeypatch.setitem(indexed_chunk.LAUNCH, "dq_dk_dg", {**indexed_chunk.LAUNCH["dq_dk_dg"], "BLOCK_C": block})
+    """`_dq_dk_dg_kernel` runs a program per block of key columns (the device's "dq_dk_dg" BLOCK_C,
+    kernels/triton/configs.py); each rebuilds its columns' rows and decides on its own whether its scores take the
+    pairwise form. Keys of two blocks, or one and a half (the second block's last columns masked), against the
+    float64 reference, on a varlen batch whose head 1 decays strongly in its first half of key columns only (so one
+    program of a chunk takes the pairwise form and the other the factorised one) and the other heads mildly."""
+    from kernels.triton.configs import launch_settings
+    launch = launch_settings("indexed_chunk", torch.device(device))
+    block = 16 if device == "cpu" else launch["dq_dk_dg"]["BLOCK_C"]
+    monkeypatch.setitem(launch, "dq_dk_dg", {**launch["dq_dk_dg"], "BLOCK_C": block})
     H, dv, lengths = (SHAPES[device][n] for n in ("H", "dv", "lengths"))
     c = int(block * key_blocks)
     cu = torch.tensor([0] + lengths, device=device).cumsum(0)
@@ -392,13 +412,14 @@ def test_indexed_chunk_saves_each_allocation_once(device):
 
 @pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "above-the-bound"])
 def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed, monkeypatch):
-    """Under checkpoint with `kernels.checkpoint_replay.contexts` the recomputation takes the first forward's routing
-    tables and output and runs no operator forward; the backward makes the states (one more forward `_chained`).
-    Output and gradients equal the plain call's bit for bit, on a varlen batch with initial states, also in a second
-    backward of the same graph. Above the bound (KEPT_BYTES) both forwards compute, as without the contexts."""
+    """Under checkpoint with a `kernels.CheckpointReplay`'s contexts, the replay passed to the operator, the
+    recomputation takes the first forward's routing tables and output and runs no operator forward; the backward
+    makes the states (one more forward `_chained`). Output and gradients equal the plain call's bit for bit, on a
+    varlen batch with initial states, also in a second backward of the same graph. Above the bound (KEPT_BYTES) both
+    forwards compute, as without the replay."""
     from torch.utils.checkpoint import checkpoint
 
-    from kernels import checkpoint_replay
+    from kernels import CheckpointReplay, checkpoint_replay
     from kernels.triton import indexed_chunk
     if not replayed:
         monkeypatch.setattr(checkpoint_replay, "KEPT_BYTES", -1)
@@ -414,13 +435,15 @@ def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed,
     names = list(ins)
     op = chunk_impl("triton_indexed", device)
 
-    def layer(*xs):
-        return op(**dict(zip(names, xs)), top_k=1, cu_seqlens=cu)[0] * 1.5
+    def layer(*xs, replay=None):
+        return op(**dict(zip(names, xs)), top_k=1, cu_seqlens=cu, replay=replay)[0] * 1.5
 
-    def step(**checkpointed):
+    def step(checkpointed):
         leaves = [t.detach().clone().requires_grad_() for t in ins.values()]
         calls.clear()
-        o = checkpoint(layer, *leaves, **checkpointed) if checkpointed else layer(*leaves)
+        replay = CheckpointReplay()
+        o = (checkpoint(functools.partial(layer, replay=replay), *leaves, use_reentrant=False,
+                        context_fn=replay.contexts) if checkpointed else layer(*leaves))
         loss = o.pow(2).sum()
         loss.backward(retain_graph=True)
         first = [t.grad.clone() for t in leaves]
@@ -430,8 +453,8 @@ def test_checkpoint_recomputation_replays_the_indexed_operator(device, replayed,
         loss.backward()
         assert all(torch.equal(a, t.grad) for a, t in zip(first, leaves)), "second backward"
         return o.detach(), first, forward_calls
-    o, grads, plain_calls = step()
-    o_ck, grads_ck, ck_calls = step(use_reentrant=False, context_fn=checkpoint_replay.contexts)
+    o, grads, plain_calls = step(checkpointed=False)
+    o_ck, grads_ck, ck_calls = step(checkpointed=True)
     assert plain_calls == ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
     backward = [("_chained", False), ("_chained", True)] if replayed else \
         ["index_tables", "_forward", ("_chained", False), ("_chained", True)]
@@ -1043,17 +1066,17 @@ def test_norm_vs_float64_twin(device, gated, rows, D, dtype, tol, programs, monk
 
 def test_sse_layer_recomputes_the_inputs_the_operator_saves(device, monkeypatch):
     """The Triton path's operator saves the decay logits and the shared partition's q and key logits as they come,
-    so the HF layer keeps all three as recipes (`modeling_sse.recomputed_when_saved`), as it keeps W_o's input: their
+    so the HF layer keeps all three as recipes (`kernels.recomputed_when_saved`), as it keeps W_o's input: their
     memory is free once the forward returns, they are made again in the backward, and the gradients are those of a
     layer that kept the tensors."""
     import kernels
-    from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
+    from sse_model import SSEConfig, SSEForCausalLM
     config = SSEConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                        layer_types=["linear_attention"], num_attention_heads=2, head_dim=32, sse_num_heads=2,
                        sse_key_dim=32, sse_value_dim=32, sse_num_partitions=4, sse_top_k=1, sse_lora_rank=4,
                        sse_impl="triton_indexed")
     layer = SSEForCausalLM(config).model.layers[0].linear_attn.to(device)
-    monkeypatch.setattr(modeling_sse, "RECIPES_ABOVE_BYTES", -1)  # tiny tensors: every recipe applies
+    monkeypatch.setattr("kernels.modules.recompute.RECIPES_ABOVE_BYTES", -1)  # tiny tensors: every recipe applies
     calls, storages = [], []
     up_weights = [getattr(layer, name).weight for name in ("decay_up", "q_shared_up", "k_shared_up")]
     linear, addmm, project, norm_gate = F.linear, torch.addmm, layer.project, kernels.norm_gate
@@ -1159,7 +1182,7 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     assert max(errors.values()) < CHUNK_TOL["cpu"][F32], errors  # exact dots on both devices
     # With gradient checkpointing the operator's saves (`kernels.saved_views`: views saved as their bases) are
     # packed by checkpoint's hooks and made again in the backward, and the recomputation takes the first forward's
-    # routing tables and output (`kernels.checkpoint_replay`): the same step, routed once per SSE layer.
+    # routing tables and output (`kernels.CheckpointReplay`): the same step, routed once per SSE layer.
     from kernels.triton import indexed_chunk
     routed = []
     real_tables = indexed_chunk.index_tables

@@ -7,7 +7,8 @@ overflow (the usual case: decays near 1), and for the (chunk, head) pairs where 
 exponents that are all <= 0 (`_strong_decay_scores`), exact for any decay. Across chunks the state is carried by
 a loop over the chunk position inside a segment, vectorised over all segments, so the loop length is the longest
 segment / C. Only the strong-decay pairs are read by advanced indexing: its backward (a zero-filled copy of the whole
-tensor and an accumulating index_put) took most of the CPU op's time when every chunk was placed that way.
+tensor and an accumulating index_put) would be most of the CPU op's work if every chunk were placed that way
+(`python -m bench.op --device cpu`).
 """
 import torch
 
@@ -19,8 +20,9 @@ def _strong_decay_scores(qc, kc, b, block=8):
     """sum_k q_tk k_sk exp(b_tk - b_sk) for chunks whose decays would overflow the factorised form, with no factor
     above 1. For s in an earlier block than t, exp(b_t - b_s) = exp(b_t - b_r) exp(b_r - b_s) with r the last token
     before t's block (b falls with time, so both exponents are <= 0): one matmul per block of t. Within a block the
-    pairwise exp(b_t - b_s), exact for any decay, on block x block pairs only (the whole chunk's pairwise tensor,
-    C x C x K per head, took a tiny model's CPU step from 0.7 s to 4.4 s once it learned sharp decays)."""
+    pairwise exp(b_t - b_s), exact for any decay, on block x block pairs only: the whole chunk's pairwise tensor,
+    C x C x K per head, is C / block times the work and memory, which a model that learned sharp decays pays in
+    every step."""
     NC, C, H, K = qc.shape
     if C % block:
         block = C
@@ -69,7 +71,7 @@ def chunk_gla_torch(q, k, v, g, *, scale=None, initial_state=None, output_final_
     rank = torch.argsort(by_count)  # a segment's place in by_count
     if not packed:
         # B segments of T tokens: the chunk layout is a reshape of the batch padded to whole chunks (placing rows by
-        # index took a fifth of the mask layout's op time on the MQAR SFT batch).
+        # index is a large share of the mask layout's op time, `python -m bench.op --device cpu`).
         pad = len(running) * C - T
 
         def chunked(x):  # [B, T, H, d] -> [NC, H, C, d]

@@ -57,7 +57,8 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
     new_bounds[1:] = torch.bincount(group, minlength=num_segments * P).cumsum(0)
     row_token, row_part, row_w = row_token[order], row_part[order], row_w[order][None, :, None, None]
     # Rows are read by index_select, whose backward is an index_add: advanced indexing's (index_put with
-    # accumulate) took a quarter of the CPU op's time. Shared rows read the shared tensors, stacked after the others.
+    # accumulate) is a large share of the CPU op's time (`python -m bench.op --device cpu`). Shared rows read the
+    # shared tensors, stacked after the others.
     row_src = row_token + L * (row_part == N) if shared is not None else row_token
     q_s, keys_s, decay_s = shared if shared is not None else (None, None, None)
 

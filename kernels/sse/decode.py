@@ -9,14 +9,14 @@ scales, and each column's largest |S| when it was stored (so one tensor, copied 
 zeroed state is zero). It moves half of float32's bytes, like bfloat16, but its error is set by the column's
 largest value rather than by each value's own exponent: an update as small as a part in 32,767 of that value still
 counts, where bfloat16 loses every update below half its value's last bit (a part in 512), which is what a decay
-close to 1 asks for (bench/state_dtype_drift.py).
+close to 1 asks for (docs/vllm-backend.md on the state dtypes' drift).
 
 The scale: a whole state written at once (`states_to_cache`) gets s = its column's largest |S| / FIXED_MAX. A
 decode step gets s = bound / FIXED_MAX from a bound on the updated column known before the state is read:
     |decay_c S[c, d] + key_c v_d| <= max_c decay_c * (largest |S[:, d]| stored + s_d / 2) + max_c |key_c| * |v_d|
 (half a step s_d: a stored value may have been rounded up past the largest |S|), so the kernel can round and store
-each value as soon as it is updated, instead of holding the whole updated tile until its columns' largest values are
-reduced (307 against 235 us a layer on an H200 when this came in, kernels/NOTES.md), and need not clamp it. The
+each value as soon as it is updated, instead of holding the whole updated tile in registers until its columns'
+largest values are reduced (`python -m bench.op --sections decode` times the step), and need not clamp it. The
 bound is loose by how far the largest decay and key overstate the column's: over 4k steps the outputs drift 2.2e-4 /
 5.4e-4 from float64 (typical / long-memory gates) against 1.7e-4 / 4.8e-4 with exact scales.
 """

@@ -14,21 +14,21 @@ import triton.language as tl
 @functools.cache
 def pow2(n: int) -> int:
     """triton.next_power_of_2(n) for the launches' block sizes, cached: the host asks for ~20 of them in an SSE
-    layer's training forward, at 1 us a call with Triton 3.6 (the H200 node) and 2 us with 3.9 (a
-    `constexpr_function` there; 0.1 us cached), and the host's time bounds a short training step on a slow host
-    (kernels/NOTES.md)."""
+    layer's training forward, Triton's own is a `constexpr_function` from 3.9 on (a Python call chain each time),
+    and the host's time bounds a short training step (`python -m bench.train_step`)."""
     return triton.next_power_of_2(n)
 
 
 def cdiv(a: int, b: int) -> int:
-    """triton.cdiv on the host without its cost: a `constexpr_function` in Triton 3.9, ~6 us a call, ten of them in
-    an SSE layer's training forward."""
+    """triton.cdiv on the host without its cost: a `constexpr_function` from Triton 3.9 on, ten of them in an SSE
+    layer's training forward."""
     return -(-a // b)
 
 
 def carve(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """1-D tensors of `sizes` elements carved from one allocation: two torch ops however many tensors, where each
-    `torch.empty` costs the host 4-11 us (H200 node) and an SSE layer's forward made ~20 of them. Each part starts
+    """1-D tensors of `sizes` elements carved from one allocation: two torch ops however many tensors, where an
+    SSE layer's forward would otherwise make ~20 `torch.empty` calls, each a trip through the caching allocator on
+    the host. Each part starts
     16-byte aligned: Triton specialises a kernel on its pointers' alignment, and parts that were aligned or not as
     lengths change would compile other variants mid-run."""
     align = max(1, 16 // dtype.itemsize)

@@ -6,9 +6,9 @@ over N), makes its softmax keys, decays and q (and the shared partition's) and t
 reads those vectors straight into its tile's row layout, then for each of the K selected partitions and the shared
 one loads its [c, BLOCK_V] state tile, decays and writes it, stores it back and accumulates w * q S. So each
 touched state is read once and written once, the other partitions are not touched, and a slot id of -1 masks every
-state load and store (output 0). Shapes are all the launches need: the step is CUDA-graph capturable. (The token's
-vectors were made in every program before, a fixed cost per program: making them once took the int16 step from
-197 to 185 us a layer on an H200, bfloat16 from 169 to 159; bench/results/sse_decode_token_kernel_20261129.md.)
+state load and store (output 0). Shapes are all the launches need: the step is CUDA-graph capturable. (Made in
+every program, the token's vectors would be a fixed cost per program; `python -m bench.op --sections decode` times
+the step.)
 
 Token vectors are read and the output written through their token (row) stride, so a caller's views into one
 packed projection buffer and into its output buffer go in as they are: in vLLM that saves a copy per input and
@@ -20,14 +20,15 @@ import triton.language as tl
 
 from kernels.sse import decode as twin
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows, token_stride, top1
+from kernels.triton.configs import launch_settings
 
 FIXED_MAX = tl.constexpr(float(twin.FIXED_MAX))
 ZERO_BELOW = tl.constexpr(twin.ZERO_BELOW)
 # Rounding to an integer with one fused multiply-add: for |x| < 2**22, x + 1.5 * 2**23 rounds x to the nearest integer
 # (ties to even) and its float32 bits are 0x4B400000 + round(x), whose low 16 bits are round(x) as an int16 (the
-# constant's are 0). With no clamp (the scale's bound covers the rounding) the int16 step went from 235 to 203 us
-# a layer on an H200 (bfloat16 states: 169): before, a compare, a select, an add, two clamps and a quarter-rate
-# float-to-int conversion per value (bench/results/sse_decode_int16_variants_20261128.md).
+# constant's are 0). With no clamp (the scale's bound covers the rounding) that replaces a compare, a select, an
+# add, two clamps and a quarter-rate float-to-int conversion per value in the int16 step's inner loop
+# (`python -m bench.op --sections decode`).
 ROUNDER = tl.constexpr(12582912.0)
 
 
@@ -56,8 +57,8 @@ def _update(state_ptr, tile, mask, decay, key, v, q, scale_ptr, scale_mask, V, d
     if FIXED and PTX:
         # int16 x to float32 without a conversion instruction (quarter rate): flipping x's sign bit gives x + 32768
         # as 16 unsigned bits, and a byte permute puts 0x4B40 above them, the bits of 1.5 * 2**23 + 32768 + x;
-        # one XOR and two permutes per pair of values (203-205 -> 197-199 us a layer on two H200s,
-        # bench/results/sse_decode_int16_variants_20261128.md).
+        # one XOR and two permutes per pair of values, fewer issue slots than two conversions
+        # (`python -m bench.op --sections decode`).
         f = tl.inline_asm_elementwise(
             "{ .reg .b32 t, k; mov.b32 k, 0x4B40; xor.b32 t, $2, 0x80008000; prmt.b32 $0, t, k, 0x5410; "
             "prmt.b32 $1, t, k, 0x5432; }", "=r,=r,r", [S], dtype=tl.float32, is_pure=True, pack=2)
@@ -145,9 +146,8 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
                    SHARED: tl.constexpr, FIXED: tl.constexpr, PTX: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_V: tl.constexpr):
     # Column blocks vary fastest: the programs sharing one state's rows run side by side, so each row is read
-    # whole at once instead of one half now and the other half-way through the launch (same results; 9-17 %
-    # faster with bfloat16 caches at batch 256-1024, 1-2 % with float32;
-    # bench/results/sse_decode_grid_order_20261127.md).
+    # whole at once instead of one half now and the other half-way through the launch (same results; it matters
+    # most for bfloat16 caches at large batches, `python -m bench.op --sections decode`).
     pid = tl.program_id(0)
     blocks_v = tl.cdiv(V, BLOCK_V)
     b = (pid // (blocks_v * H)).to(tl.int64)
@@ -189,16 +189,11 @@ def _decode_kernel(state_ptr, slot_ptr, vec_ptr, part_ptr, v_ptr, o_ptr, scale, 
     tl.store(o_ptr + b * row_o + h * V + d, o.to(o_ptr.dtype.element_ty), mask=d < V)
 
 
-def default_launch(C: int, V: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the decode kernel for a state cache of `dtype` with c = C, d_v = V."""
-    # A 32 KB state tile per program ([128, 64] float32, [128, 128] bfloat16 at c = 128) with 4 warps was the
-    # fastest launch on an H100 for both cache dtypes (bench/results/sse_decode_launch_20261124.md); a fixed
-    # 32-column tile left a bfloat16 cache at 1.3x float32's speed instead of 2x.
-    # int16: a 16 KB tile and 2 warps are the fastest on an H200 (203 us against 225 with bfloat16's launch,
-    # before the PTX load; bench/results/sse_decode_int16_variants_20261128.md).
-    fixed = dtype == torch.int16
-    tile_bytes = 16384 if fixed else 32768
-    return min(pow2(V), max(16, tile_bytes // (pow2(C) * dtype.itemsize))), 2 if fixed else 4
+def default_launch(C: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the decode kernel on `device` for a state cache of `dtype` with c = C, d_v = V: the
+    device's state tile bytes a program (kernels/triton/configs.py) as columns of all c rows."""
+    launch = launch_settings("decode_int16" if dtype == torch.int16 else "decode", device)
+    return min(pow2(V), max(16, launch["tile_bytes"] // (pow2(C) * dtype.itemsize))), launch["num_warps"]
 
 
 def check_state_cache(state: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
@@ -228,8 +223,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
     With `shared_lora`, q_shared and k_shared_logits are low-rank terms the kernel adds to q and k_logits
     (kernels.sse.decode.sse_decode_torch). Slot ids must be distinct (two programs writing one state would race).
-    `block_v` (state columns per program) and `num_warps` override the launch, for bench/sse_decode_launch.py's
-    sweep."""
+    `block_v` (state columns per program) and `num_warps` override the device's launch (kernels/triton/configs.py),
+    for sweeps and tests."""
     B, H, C = q.shape
     V, N = v.shape[-1], router_logits.shape[-1]
     shared = q_shared is not None
@@ -244,7 +239,7 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
         raise ValueError(f"out must be [B, H, d_v] = {(B, H, V)} with contiguous tokens, got shape "
                          f"{tuple(out.shape)}, strides {out.stride()}")
     block_c = pow2(C)
-    default_block_v, default_warps = default_launch(C, V, state.dtype)
+    default_block_v, default_warps = default_launch(C, V, state.dtype, state.device)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     ptx = state.is_cuda and torch.version.cuda is not None  # NVIDIA's GPUs (not the interpreter's CPU, not ROCm)
     args = [token_rows(x, 1)[0] for x in (q, k_logits, v, log_decay, router_logits)]

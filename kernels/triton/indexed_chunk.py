@@ -13,7 +13,7 @@ Per chunk of BT rows of one group (b = in-chunk cumulative log decay, b_last its
 The factorised scores need e^-b finite: chunks whose decays pass -FACTORISED_LIMIT take the pairwise form
 sum_c q_tc k_sc e^(b_tc - b_sc) instead (a uniform branch per program, exact for any decay).
 
-Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of `LAUNCH`'s BLOCK_V columns):
+Kernels (grid in brackets; G groups, NC chunk slots, NV value blocks of BLOCK_V columns, configs.py):
 - forward  `_chunk_sums` [NC, H, NV]: each chunk's state update, all chunks at once, float32 (in the backward
            rounded to the activations' dtype where the final state / dh0 is not used); `_scan`
            [state tiles, H, G]: chains a group's chunks in float32 and stores the state before every chunk in the
@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checkpoint_replay, saved_views
+from kernels import saved_views
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
+from kernels.triton.configs import launch_settings
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
 from kernels.triton.routing import route_varlen
 
@@ -44,9 +45,9 @@ CHUNK = 64               # rows per chunk
 # and `_keys_kernel`'s keys and log-decays -- when together they take at most this many bytes; above it the backward
 # makes them again. The states cost H C d_v bf16 values per chunk of 64 rows (16 KiB per token and layer with one
 # routed partition + the shared one at 16 heads of 128 x 128), the keys, shared keys and log-decays 6 bytes per
-# token, head and key column (bf16): 137 + 101 MB at 8k tokens, kept; 0.54 + 0.40 GB at 32k, made again. Making
-# them is `_keys_kernel` + `_chunk_sums` + `_scan`, ~0.35 ms a layer at 8k (~3 % of the 6-layer bench model's
-# step, kernels/NOTES.md). Long rows are where memory binds, short ones where the recompute shows.
+# token, head and key column (bf16): at 8k tokens they fit and are kept, at 32k they are made again. Making them is
+# three launches (`_keys_kernel`, `_chunk_sums`, `_scan`) in the backward. Long rows are where memory binds, short
+# ones where the recompute shows (`python -m bench.train_step` at 8k and 32k tokens).
 KEPT_BYTES = 256 * 2**20
 # Largest |b| in a chunk for the factorised scores: e^60 is far from float32 / bfloat16 overflow.
 FACTORISED_LIMIT = tl.constexpr(60.0)
@@ -141,7 +142,7 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
 
 # Arguments that count tokens, groups or chunks (G, NC, num_slots here, L / num_segments in routing.py, R in the
 # norm gate) change with every vLLM prefill step and packed batch; specialised on being 1 or a multiple of 16 they
-# compiled a new variant for ~1 s in the middle of a rollout (bench/results/vllm_rollouts_small_compiles_20261127.md).
+# would compile a new variant, which takes seconds, in the middle of a rollout (`python -m bench.rollouts`).
 @triton.jit(do_not_specialize=["G", "NC"])
 def _chunk_sums_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_ptr, k_ptr, x_ptr, g_ptr, e_ptr,
                        qs_ptr, ks_ptr, gs_ptr, out_ptr, decay_ptr, G, NC, H, C, V, N, P, SQ, SX, scale,
@@ -355,12 +356,11 @@ def _sources(q, keys, g, router_logits, q_shared, keys_s, g_s):
     return q, keys, g, router_logits, q if q_shared is None else q_shared, keys_s, g_s
 
 
-def _launch(kernel, C, V, N, chunk_size):
-    """Block sizes and launch settings of one chunk kernel. `LAUNCH[kernel]["BLOCK_V"]` caps the value columns of
-    one program: every program of a chunk rebuilds the chunk's rows (and the output kernels its scores), so fewer,
-    wider programs rebuild them fewer times, at the cost of registers. "BLOCK_C", where given, caps the key columns
-    of one program (`_dq_dk_dg_kernel`, whose results split by key column)."""
-    launch = dict(LAUNCH[kernel])
+def _launch(kernel, C, V, N, chunk_size, device):
+    """Block sizes and launch settings of one chunk kernel on `device` (kernels/triton/configs.py). Its "BLOCK_V"
+    caps the value columns of one program; "BLOCK_C", where given, the key columns of one program
+    (`_dq_dk_dg_kernel`, whose results split by key column)."""
+    launch = dict(launch_settings("indexed_chunk", device)[kernel])
     return dict(BT=chunk_size, BLOCK_C=min(pow2(C), launch.pop("BLOCK_C", pow2(C))),
                 BLOCK_V=min(pow2(V), launch.pop("BLOCK_V")), BLOCK_N=pow2(N), **launch)
 
@@ -369,40 +369,26 @@ def _chunk_grid(tables, H, V, launch):
     return (tables[3].numel(), H, cdiv(V, launch["BLOCK_V"]))
 
 
-# Launch settings of the chunk kernels (value columns per program, Triton's num_warps / num_stages): the best of
-# bench/sse_indexed_launch.py on an H100 (bench/results/sse_indexed_launch_20261124.md: 1.08-1.09x the op's earlier
-# all-default stages, the per-chunk sums 7.5 % of it with 4 warps instead of 8; outputs and gradients
-# bit-identical). dq_dk_dg: half the key columns a program (twice the programs, each with half the accumulators
-# and the state tiles' reads, dA computed by both), 4 warps: the op's forward+backward 2.24 -> 2.10 ms at 8k and
-# 10.09 -> 9.53 at 32k on an H200 (bench/results/sse_indexed_launch_20261129-2231_key_blocks.md; all 128 columns
-# a program ran 2.22-2.31 ms with 8 warps, 1.6-2.4x slower with 4).
-LAUNCH = {"chunk_sums": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-          "scan": dict(BLOCK_V=64, num_warps=4, num_stages=2),
-          "output": dict(BLOCK_V=128, num_warps=8, num_stages=3),
-          "dv": dict(BLOCK_V=128, num_warps=8, num_stages=3),
-          "dq_dk_dg": dict(BLOCK_C=64, BLOCK_V=64, num_warps=4, num_stages=2)}
-
-
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size, decay_normalizer, final_returned, replay):
-        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view costs
-        # the host 2-5 us, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
+                scale, row_topk, chunk_size, decay_normalizer, final_returned, replayed):
+        # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view is host
+        # work, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
         # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
-        # by ops of their own, are contiguous. `replay` (kernels.checkpoint_replay): None, or under checkpointing
+        # by ops of their own, are contiguous. `replayed` (kernels/checkpoint_replay.py): None, or under checkpointing
         # () in the first forward, which keeps nothing for the backward, and (o,) in the recomputation, which
         # computes nothing and returns the first forward's o.
         (q, sq), (k_logits, sk), (v, sv) = (token_rows(t) for t in (q, k_logits, v))
         strides = (sq, sk, sv)
         log_decay, router_logits, q_shared, k_shared_logits = (
             None if t is None else t.contiguous() for t in (log_decay, router_logits, q_shared, k_shared_logits))
-        if replay:
-            o, final, kept = replay[0].detach(), None, (None,) * 6
+        if replayed:
+            o, final, kept = replayed[0].detach(), None, (None,) * 6
         else:
             o, final, kept = _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
                                       initial_state, tables, scale, row_topk, chunk_size, decay_normalizer,
-                                      final_returned, strides, may_keep=replay is None)
+                                      final_returned, strides, may_keep=replayed is None)
         saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                          *kept, *tables[:6])
         ctx.rest = (*tables[6:], scale, row_topk, chunk_size, decay_normalizer, strides, final_returned)
@@ -433,10 +419,11 @@ class _IndexedChunk(torch.autograd.Function):
         dv_rows = torch.empty(R, H, V, dtype=v.dtype, device=q.device)
         q_, keys, g, e, qs, keys_s, gs = sources
         index = (row_token, cu, chunk_first, chunk_group)
-        launch = _launch("dv", C, V, N, chunk_size)
+        launch = _launch("dv", C, V, N, chunk_size, q.device)
         _dv_kernel[_chunk_grid(tables, H, V, launch)](*index, q_, keys, g, e, qs, keys_s, gs, do, dh, dv_rows, G, NC,
                                                       H, C, V, N, P, sq, scale, **launch)
-        launch = _launch("dq_dk_dg", C, V, N, chunk_size)  # [chunk slots, heads, key blocks]: it loops over values
+        # [chunk slots, heads, key blocks]: it loops over values
+        launch = _launch("dq_dk_dg", C, V, N, chunk_size, q.device)
         _dq_dk_dg_kernel[(chunk_group.numel(), H, cdiv(C, launch["BLOCK_C"]))](
             *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
             P, sq, sv, scale, **launch)
@@ -465,7 +452,7 @@ def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits
                         exact_last=final_returned)
     o_rows = torch.empty(row_token.numel(), H, V, dtype=v.dtype, device=v.device)
     q_, keys, g, e, qs, keys_s, gs = sources
-    launch = _launch("output", C, V, N, chunk_size)
+    launch = _launch("output", C, V, N, chunk_size, v.device)
     _output_kernel[_chunk_grid(tables, H, V, launch)](
         row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
         P, sq, sv, scale, **launch)
@@ -494,13 +481,13 @@ def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_l
     V, N, G, NC = x.shape[-1], e.shape[-1], cu.numel() - 1, chunk_group.numel()
     sums = torch.empty(H, NC, C, V, dtype=torch.float32 if exact_last else x.dtype, device=q.device)
     decay = torch.empty(H, NC, C, dtype=torch.float32, device=q.device)
-    launch = _launch("chunk_sums", C, V, N, chunk_size)
+    launch = _launch("chunk_sums", C, V, N, chunk_size, q.device)
     _chunk_sums_kernel[_chunk_grid(tables, H, V, launch)](row_token, cu, chunk_first, chunk_group, q, keys, x, g, e,
                                                           qs, keys_s, gs, sums, decay, G, NC, H, C, V, N, P, sq, sx,
                                                           scale, query, **launch)
     states = sums if sums.dtype == x.dtype else torch.empty(H, NC, C, V, dtype=x.dtype, device=q.device)
     last = torch.empty(S, H, P, C, V, dtype=torch.float32, device=q.device)
-    launch = _launch("scan", C, V, N, chunk_size)
+    launch = _launch("scan", C, V, N, chunk_size, q.device)
     block_c, block_v = min(launch["BLOCK_C"], 32), launch["BLOCK_V"]
     tiles = cdiv(C, block_c) * cdiv(V, block_v)
     _scan_kernel[(tiles, H, G)](sums, states, decay, chunk_first, init.contiguous() if init is not None else last,
@@ -547,22 +534,22 @@ def _batch_bounds(B: int, T: int, device: torch.device) -> torch.Tensor:
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                        row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       decay_normalizer=None, chunk_size=CHUNK):
+                       decay_normalizer=None, replay=None, chunk_size=CHUNK):
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
-    logits (see there)."""
+    logits, and with `replay` (a `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's
+    tables and output (see there)."""
     B, T, H, c = q.shape
     scale = c**-0.5 if scale is None else scale
-    # Under the SSE model's gradient checkpointing the recomputation takes the first forward's tables and output
-    # (`checkpoint_replay`); a caller that wants the final state gets it computed.
-    slot = None if output_final_state else checkpoint_replay.slot(B * T * H * v.shape[-1] * v.element_size())
+    # A caller that wants the final state gets it computed.
+    slot = None if output_final_state or replay is None else replay.slot(B * T * H * v.shape[-1] * v.element_size())
     if slot is not None and slot.kept is not None:
         tables, o = slot.kept
     else:
         bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
         tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
-    replay = None if slot is None else (o,) if slot.kept is not None else ()
+    replayed = None if slot is None else (o,) if slot.kept is not None else ()
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replay)
+                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replayed)
     if slot is not None and slot.kept is None:
         slot.keep(tables, o.detach())
     return o, (final if output_final_state else None)

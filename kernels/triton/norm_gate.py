@@ -3,10 +3,11 @@ Triton kernel each way (`rms_norm_triton`, `norm_gate_triton`; the gate is a con
 
 Autograd over the torch twins (`kernels/norm_gate.py`) launches about eight elementwise kernels each way and keeps
 x's float32 upcast and the normalised x (and the gate's products) for the backward, 6 bytes an element for a plain
-norm: 384 MB for a 32k x 2048 hidden state. These keep x (and the gate) and one float32 scale per row: 13 norms
-of width 2048 took 3.7 GiB off the peak of bench/train_step.py's SSE-H at 32k tokens, and about 10 % off an 8k
-step's time. Rows are the [..., D] vectors (a hidden state, or one head's value vector); the forward rounds the
-normalised x to x's dtype before the weight, as `SSERMSNorm` does.
+norm: 384 MiB for a 32k x 2048 hidden state, and a model has two norms a layer. These keep x (and the gate) and
+one float32 scale per row, which takes those bytes off the peak of a long training step and the launches off a
+short one's host time (`python -m bench.train_step` reports both). Rows are the [..., D] vectors (a hidden state,
+or one head's value vector); the forward rounds the normalised x to x's dtype before the weight, as `SSERMSNorm`
+does.
 """
 import torch
 import triton

@@ -7,8 +7,8 @@ are contiguous in time, so with C(t)[n] = number of tokens before t that selecte
     row of (t, n) = first row of group (seg(t), n) + C(t)[n] - C(start of seg(t))[n]
 
 Three launches, each parallel over tokens or segments, no host synchronisation and no torch op between them (each
-op or launch costs the host 5-40 us, and a training step routes every SSE layer, twice with checkpointing; the
-tables are two allocations, `carve`):
+op or launch is host work, and a training step routes every SSE layer, twice with checkpointing; the tables are two
+allocations, `carve`):
 1. `_route_kernel`, per block of tokens: top-K partitions and the block's histogram over partitions.
 2. `_segment_kernel`, per segment: group sizes from C at the segment's two ends -> the new cu_seqlens and the
    per-group base `first row - C(start)`; and the segment of each of its tokens. Empty groups just get an empty

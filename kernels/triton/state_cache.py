@@ -4,10 +4,10 @@
 [num_slots, H, P, rows, d_v] (float32, bfloat16 or int16 fixed point; any strides) as float32 [S, H, P, c, d_v], zero
 where `has_state` is False; `write_states_triton(cache, slots, states)` stores float32 states [S, H, P, c, d_v] into
 the cache, int16 columns scaled by their largest |S|. The torch twins (`kernels.sse.decode.read_states_torch`,
-`write_states_torch`) give the same values. In torch, a write was a dozen elementwise passes over the group's
+`write_states_torch`) give the same values. In torch, a write is a dozen elementwise passes over the group's
 float32 states (largest |S|, the scale, round, clamp, the concatenated scale rows, the scatter) and a read a gather
-and two more: at 256 prefills of 256 tokens (1.5B, int16 states, H200) those passes took 0.29 s of the prefill's
-0.73 s of GPU time (bench/results/prefill_profile_1b_SSE-H_20261128.md).
+and two more, a large share of a prefill's GPU time when many short prompts arrive together
+(`python -m bench.rollouts`).
 """
 import torch
 import triton
