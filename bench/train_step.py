@@ -194,7 +194,7 @@ def measure_alone(name: str, T: int, packed: bool, checkpointing: bool, steps: i
 def rounds(builds, T: int, packed: bool, checkpointing: bool, steps: int, count: int, alone: bool = False) -> dict:
     """Each model `measure`d `count` times in turn (with `alone`, each time in a process of its own:
     `measure_alone`), the order reversed every other round, so that the host's speed, which moves by tens of
-    percent over minutes on the GPU node (kernels/NOTES.md), falls on every model alike. Per model: tokens/s the
+    percent over minutes on the GPU node (docs/kernels.md), falls on every model alike. Per model: tokens/s the
     median of its rounds (each the median of its steps), peak memory the largest, and its rounds; `paired`: SSE-H
     over the fastest Qwen3 of the same round, round by round."""
     names = list(builds)
@@ -488,7 +488,7 @@ def main(argv=None):
              "the rounds' ratios (their range)"
              + ("; bound / fastest Qwen3: the same for the faster free-mixing bound" if bound else "")
              + "; SSE-H host / step: the host's time to queue SSE-H's step over the step's time (near 1: the host, "
-             "not the GPU, set the pace; kernels/NOTES.md)",
+             "not the GPU, set the pace; docs/kernels.md)",
              "", "| T | packed | grad ckpt | " + " | ".join(names) + " | SSE-H / fastest Qwen3 | "
              + "bound / fastest Qwen3 | " * bound + "SSE-H host / step |",
              "| --- | --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |" + " ---: |" * bound + " ---: |"]

@@ -39,7 +39,7 @@ print('ok')
 
 def test_bench_scripts_import_names_the_project_has():
     """The benchmarks run only on a GPU node, so a renamed kernel or function would break them unnoticed (as a
-    renamed norm kernel once broke bench/layer_host_ablate.py): every name they import from the project exists."""
+    renamed norm kernel once broke a bench script): every name they import from the project exists."""
     import ast
     import importlib
     repo = Path(__file__).resolve().parents[1]

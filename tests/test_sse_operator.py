@@ -168,7 +168,7 @@ def test_int16_states_round_trip():
 def test_int16_states_keep_long_memory_updates():
     """A decay close to 1 (~0.999 a step) over 1,024 decode steps: bfloat16 states lose every update below half
     their last bit and drift by several percent, int16 ones (fixed point per column) stay within 1e-3 of float64
-    (bench/state_dtype_drift.py has the longer runs)."""
+    (dev/LOG.md has the longer runs)."""
     g = torch.Generator().manual_seed(0)
     steps, N = 1024, 4
     inputs = [dict(q=torch.randn(1, 1, C, generator=g), k_logits=2 * torch.randn(1, 1, C, generator=g),

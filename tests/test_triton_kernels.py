@@ -504,7 +504,7 @@ def test_indexed_path_compiles_once_for_all_counts():
     """vLLM's prefill steps and packed training batches call the indexed path and the norm gate with token,
     segment and chunk counts that change from call to call. Triton specialises an integer argument on being 1 or
     a multiple of 16 unless told not to, and each new variant compiles for seconds in the middle of a rollout
-    (seen in vLLM on an H100: bench/results/vllm_rollouts_small_compiles_20261127.md). After one call, forward and
+    (seen in vLLM rollouts: dev/LOG.md). After one call, forward and
     backward with other counts (one segment, lengths 1, 16 and 64, many segments) must compile nothing."""
     import triton
 

@@ -8,7 +8,7 @@ an SSE model in bfloat16 or float16 takes int16 states, 16-bit fixed point with 
 what bounds its speed: int16 moves half of float32's, and over thousands of decode steps its SSE output stays below
 the model's own bfloat16 rounding, with typical gates and long-memory ones (decay close to 1) alike, where bfloat16
 states drift well past it (a row whose decay is close to 1 loses every update below half its last bit;
-bench/state_dtype_drift.py measures each dtype's drift against a float64 cache). "float32" and "bfloat16"
+dev/LOG.md has each dtype's measured drift against a float64 cache). "float32" and "bfloat16"
 are what they say; float16 is refused (a long-memory row's sum can pass its range).
 
 max_num_seqs.

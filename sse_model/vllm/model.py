@@ -292,7 +292,7 @@ class SSELinearAttention(nn.Module):
                                           replicated=len(code_sizes), prefix=f"{prefix}.in_proj")
         start = sum(self.in_proj.output_partition_sizes[:4])
         self.codes = slice(start, start + sum(code_sizes))  # without the padding
-        # The router in float32, weights and logits, as the HF model computes it (`modeling_sse.float32_router`
+        # The router in float32, weights and logits, as the HF model computes it (`kernels.float32_router`
         # says why) and as vLLM's MiniMax-Text-01 computes its MoE gate. Its logits go into the op beside in_proj's
         # output, their bytes as pairs of in_proj's dtype (`_forward` views them back), so that the op keeps
         # vLLM's `linear_attention` signature.
