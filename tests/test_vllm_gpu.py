@@ -343,3 +343,30 @@ def test_chunked_prefill_mixed_batches_and_preemption_match_one_shot(engine, sma
     save_results()
     assert float(d.mean()) < 0.02 and all(gap <= NEAR_TIE for gap in tie_gaps), RESULTS["small_steps_vs_one_shot"]
     assert preempted > 0, "the small cache did not preempt any request; the check would prove nothing"
+
+
+def test_sleeping_engine_frees_its_memory_and_wakes_with_the_pushed_weights(checkpoint, hf):
+    """GRPO's colocated engine with `grpo.vllm.enable_sleep_mode` (level 2): asleep, it gives back its weights and
+    its KV / SSE-state cache; woken, it takes the trainer's weights through the pipeline's push and samples what it
+    sampled before it slept (a state slot read from the woken pool without zeroing, or a weight the push missed,
+    would change the greedy rollouts), and the parity probe passes."""
+    from vllm import LLM
+
+    from sse_model.vllm.sync import logprob_parity, push_weights
+
+    llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.3, seed=0, enable_sleep_mode=True)
+    before = greedy(llm, checkpoint[1])
+    free_awake = torch.cuda.mem_get_info()[0]
+    llm.sleep(level=2)
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    llm.wake_up()
+    push_weights(llm, hf.named_parameters())
+    after = greedy(llm, checkpoint[1])
+    drift = logprob_parity(llm, hf, checkpoint[1][-1])
+    total = torch.cuda.get_device_properties(0).total_memory
+    RESULTS["sleep_mode"] = dict(freed_gib=freed / 2**30, engine_share_gib=0.3 * total / 2**30, parity=drift)
+    save_results()
+    del llm
+    assert freed > 0.5 * 0.3 * total, RESULTS["sleep_mode"]  # the cache and weights, most of the engine's share
+    assert [list(o.outputs[0].token_ids) for o in after] == [list(o.outputs[0].token_ids) for o in before]
+    assert drift < 0.5, RESULTS["sleep_mode"]
