@@ -1,9 +1,17 @@
 """vLLM engine settings and the eval engine. `EngineSettings` are what any of the project's engines takes (the GRPO
 rollout engine's `grpo.vllm` extends them in pipeline/config.py); `EvalEngineSettings` are the eval engine's, read
 from a run config's `eval.vllm` by the eval stage and from the engine options of `sse-rl eval`."""
+import contextlib
+import faulthandler
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
+
+import psutil
 
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 StateDtype = Literal["auto", "float32", "bfloat16"]
@@ -44,12 +52,47 @@ def set_cpu_kv_cache(settings: EngineSettings) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
 
 
+# How long an engine start may take before it is reported, and how often after that: a cold start of a 2B model
+# (torch.compile and CUDA graph capture included) takes a minute or two; past that, a start that stalls says where.
+START_REPORT_S = 180.0
+
+
+@contextlib.contextmanager
+def reporting_slow_start(what: str, every_s: float | None = None):
+    """While an engine starts inside the block: every `every_s` seconds (START_REPORT_S by default), write to
+    stderr that `what` is still starting, with the stacks of this process's threads and of every vLLM process it
+    started (the plugin makes them dump theirs on SIGUSR1), so a start that stalls says what it waits on instead of
+    hanging silently."""
+    from sse_model.vllm.plugin import STACK_DUMPERS
+
+    every_s = START_REPORT_S if every_s is None else every_s
+    started, done = time.monotonic(), threading.Event()
+
+    def watch():
+        while not done.wait(every_s):
+            print(f"{what}: the vLLM engine is still starting after {time.monotonic() - started:.0f} s; where its "
+                  "processes are:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            for child in psutil.Process().children(recursive=True):
+                if (STACK_DUMPERS / str(child.pid)).exists():
+                    os.kill(child.pid, signal.SIGUSR1)
+
+    watcher = threading.Thread(target=watch, name="engine-start-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 def build_llm(model: str, settings: EvalEngineSettings, *, seed: int = 0):
     """A vLLM engine for a checkpoint directory (or Hub id)."""
     from vllm import LLM  # here, so that importing this module does not import vLLM
 
     set_cpu_kv_cache(settings)
     s = settings
-    return LLM(model=model, seed=seed, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+    with reporting_slow_start(f"the eval engine for {model}"):
+        return LLM(model=model, seed=seed, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                gpu_memory_utilization=s.gpu_memory_utilization, tensor_parallel_size=s.tensor_parallel_size,
                enforce_eager=s.enforce_eager, mamba_ssm_cache_dtype=s.state_dtype)

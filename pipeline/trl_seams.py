@@ -58,6 +58,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
 
+from eval.engine import reporting_slow_start
 from pipeline.faults import fault_point
 from pipeline.rollouts import SeededLLM, push_and_check
 from pipeline.rundir import latest_checkpoint
@@ -308,8 +309,9 @@ class SSEVLLMGeneration(VLLMGeneration):
         os.environ.setdefault("LOCAL_RANK", str(self.accelerator.local_process_index))
         os.environ.setdefault("WORLD_SIZE", str(self.accelerator.num_processes))
         ensure_master_addr_port()
-        self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
-                          logprobs_mode="processed_logprobs")
+        with reporting_slow_start("the GRPO rollout engine"):
+            self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
+                              logprobs_mode="processed_logprobs")
         # into the stage log: vLLM's own line about its runner does not reach it
         runner = "V2" if self.engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
         print(f"rollout engine: vLLM {vllm_version}, {runner} model runner", flush=True)

@@ -87,3 +87,26 @@ def test_eval_cli_end_to_end_and_resume(checkpoint, tmp_path):
     assert again == lines
     assert (out / "aime24.samples.jsonl").read_text() == aime24
     assert json.loads((out / "metrics.json").read_text())["math500"]["num_problems"] == 3
+
+
+SLOW_START = """
+import sys
+from eval.engine import EvalEngineSettings, build_llm, reporting_slow_start
+import eval.engine
+eval.engine.START_REPORT_S = 4.0  # the engine core's start takes longer than this on the CPU build
+llm = build_llm(sys.argv[1], EvalEngineSettings(dtype="float32", max_model_len=256, kv_cache_gib=1,
+                                                 enforce_eager=True, gpu_memory_utilization=0.05))
+print("ENGINE STARTED", flush=True)
+"""
+
+
+def test_a_slow_engine_start_says_where_each_vllm_process_waits(checkpoint):
+    """A start past START_REPORT_S reports itself on stderr with the stacks of this process and of the engine-core
+    process (a child that dumps on SIGUSR1 through the plugin), then the engine starts as usual: a stalled start
+    names what it waits on instead of hanging silently."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", SLOW_START, str(checkpoint)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ENGINE STARTED" in result.stdout, result.stderr[-5000:]
+    assert f"the eval engine for {checkpoint}: the vLLM engine is still starting after " in result.stderr
+    assert "vllm/v1/engine/core.py" in result.stderr, result.stderr[-5000:]  # the engine core's own stack

@@ -3,6 +3,23 @@
 vLLM finds `register` through the `vllm.general_plugins` entry point in pyproject.toml and calls it in every
 process it starts (front end, engine core, workers, the model-inspection subprocess), possibly more than once.
 """
+import faulthandler
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+# Where each vLLM process that dumps its stacks on request (`stacks_on_request`) leaves its pid: a process is sent
+# the signal only once it has a handler, since SIGUSR1's default action ends the process.
+STACK_DUMPERS = Path(tempfile.gettempdir()) / "sse-rl-stack-dumpers"
+
+
+def stacks_on_request() -> None:
+    """SIGUSR1 makes this process write every thread's stack to its stderr (`eval.engine.reporting_slow_start`
+    sends it while an engine start takes long, so a stalled start shows where each vLLM process waits)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    STACK_DUMPERS.mkdir(exist_ok=True)
+    (STACK_DUMPERS / str(os.getpid())).touch()
 
 
 def register() -> None:
@@ -13,6 +30,7 @@ def register() -> None:
     from sse_model.configuration_sse import SSEConfig
     from sse_model.vllm import engine, seams
 
+    stacks_on_request()
     AutoConfig.register(SSEConfig.model_type, SSEConfig, exist_ok=True)
     if "SSEForCausalLM" not in ModelRegistry.get_supported_archs():
         # The class itself, not the lazy "module:class" form: vLLM inspects a lazily registered model in a fresh
