@@ -18,7 +18,9 @@ START, END = "<!-- performance:start -->", "<!-- performance:end -->"
 BENCHMARKS = [("rollouts_", "Rollouts in vLLM", "bench.rollouts"),
               ("train_step_", "Training step", "bench.train_step"),
               ("op_", "The SSE operator", "bench.op"),
+              ("decode_", "The decode step against its byte floor", "bench.decode"),
               ("grpo_", "GRPO steps", "bench.grpo_phases"),
+              ("recipe_memory_", "One rank of a recipe, memory by phase", "bench.recipe_memory"),
               ("recall_", "Recall (MQAR)", "bench.recall")]
 # README's rows: the configuration whose headline each row quotes, and how its number reads.
 README_ROWS = [("rollouts_1b_1k", "{:.2f}x"), ("rollouts_1b_4k", "{:.2f}x"), ("rollouts_1b_16k", "{:.2f}x"),

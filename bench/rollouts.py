@@ -63,6 +63,7 @@ import torch
 
 from bench import step_clock
 from bench.baseline import REPO, RUNS, command, write_baseline
+from bench.decode import floor_bytes
 
 COMMON = dict(head_dim=128, vocab_size=32000, max_position_embeddings=40960, tie_word_embeddings=False)
 SHAPES = {
@@ -132,11 +133,8 @@ def decode_bytes_per_token(name, config, weights: int, length: int, sequences: i
     read at the context reached. Both models' decode steps are bandwidth-bound at these batches, so the ratio of
     two models' bytes bounds the ratio of their tokens/s (the report's "bandwidth bound" row)."""
     state, kv_per_token = cache_per_sequence(name, config)
-    touched = 0.0
-    if state:
-        touched = 2 * state * (config.sse_top_k + config.sse_shared_partition) \
-            / config.num_sse_partitions_with_shared
-    return 2 * weights / sequences + touched + kv_per_token * (PROMPT_TOKENS + (length - 1) / 2)
+    parts = floor_bytes(config, sequences, PROMPT_TOKENS + (length - 1) / 2, 2 * weights, state, kv_per_token)
+    return sum(parts.values()) / sequences
 
 
 def prompts_at(args, length: int) -> int:

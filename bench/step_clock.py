@@ -16,9 +16,10 @@ window of decode steps in the middle of the generation. `take` summarises a gene
   GPU (one worker in the engine-core process) is the engine core's: scheduler, model runner and output handling.
   cProfile slows that thread (take no tokens/s from such a run); its shares say where the host's step goes.
 
-bench/vllm_rollouts.py uses it with `--step-clock`, to see whether a model's decode steps slow down over an engine's
+bench/rollouts.py uses it with `--step-clock`, to see whether a model's decode steps slow down over an engine's
 life on the GPU or on the host. The events cost a few microseconds a step; the profiled window adds two GPU
 synchronisations and its tracing (the generation's tokens/s is a little lower than an unclocked run's).
+bench/decode.py takes every step's row (`take_steps`) and groups the decode steps by how many requests ran in them.
 """
 import cProfile
 import gc
@@ -62,7 +63,8 @@ def install(worker) -> None:
                 start_window(clock)
             elif clock["decode_steps"] == clock["window_at"] + WINDOW:
                 stop_window(clock)
-        clock["steps"].append([time.perf_counter(), event(), None, decode])
+        requests = len(scheduler_output.num_scheduled_tokens)
+        clock["steps"].append([time.perf_counter(), event(), None, decode, requests])
         return execute(scheduler_output, *args, **kwargs)
 
     def timed_sample(*args, **kwargs):
@@ -125,13 +127,24 @@ def take(worker) -> dict:
         host_profile = out.getvalue()
     if clock["profiler"] is not None:  # a generation shorter than its window
         stop_window(clock)
+    rows = [row[:4] for row in step_rows(clock)]
+    return dict(summarise(rows, clock["gc_s"], clock["gc_full"], clock["kernels"]), host_profile=host_profile)
+
+
+def step_rows(clock: dict) -> list[tuple]:
+    """(host seconds, GPU ms of the step's first event, GPU ms of its sampled tokens, decode?, requests) per step
+    since `start`, the GPU times None off a GPU (relative to the first step's event)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     steps = clock["steps"]
     first = steps[0][1] if steps else None
-    rows = [(host, first.elapsed_time(begin) if begin else None,
-             first.elapsed_time(end) if begin and end else None, decode) for host, begin, end, decode in steps]
-    return dict(summarise(rows, clock["gc_s"], clock["gc_full"], clock["kernels"]), host_profile=host_profile)
+    return [(host, first.elapsed_time(begin) if begin else None, first.elapsed_time(end) if begin and end else None,
+             decode, requests) for host, begin, end, decode, requests in steps]
+
+
+def take_steps(worker) -> list[tuple]:
+    """(On the worker) Every step since `start` as `step_rows` gives it (bench/decode.py groups them by batch)."""
+    return step_rows(worker.model_runner.step_clock)
 
 
 def summarise(rows, gc_s: float, gc_full: int, kernels: dict | None) -> dict:
