@@ -345,7 +345,7 @@ def test_chunked_prefill_mixed_batches_and_preemption_match_one_shot(engine, sma
     assert preempted > 0, "the small cache did not preempt any request; the check would prove nothing"
 
 
-def test_sleeping_engine_frees_its_memory_and_wakes_with_the_pushed_weights(checkpoint, hf):
+def test_sleeping_engine_frees_its_memory_and_wakes_with_the_pushed_weights(checkpoint, hf, monkeypatch):
     """GRPO's colocated engine with `grpo.vllm.enable_sleep_mode` (level 2): asleep, it gives back its weights and
     its KV / SSE-state cache; woken, it takes the trainer's weights through the pipeline's push and samples what it
     sampled before it slept (a state slot read from the woken pool without zeroing, or a weight the push missed,
@@ -354,6 +354,8 @@ def test_sleeping_engine_frees_its_memory_and_wakes_with_the_pushed_weights(chec
 
     from sse_model.vllm.sync import logprob_parity, push_weights
 
+    # in this process, as GRPO's engine (vLLM's external launcher): the push hands vLLM's loader the tensors
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(model=str(checkpoint[0]), gpu_memory_utilization=0.3, seed=0, enable_sleep_mode=True)
     before = greedy(llm, checkpoint[1])
     free_awake = torch.cuda.mem_get_info()[0]
