@@ -198,9 +198,10 @@ def test_malformed_rows_name_file_row_and_field(tmp_path):
 # ---------------------------------------------------------------------------------------------------- runner
 
 class FakeLLM:
-    """Stands in for vllm.LLM: sample j of a request answers (seed + j) % 3, in ((seed + j) % 4 + 1) * 2 tokens (as
-    vLLM seeds the j-th copy of a request with seed + j, a sample depends on that seed alone). Like vLLM, it refuses a whole batch when one prompt is longer than
-    `refuse_longer_than` tokens; after `crash_after` calls it fails as a dead engine would."""
+    """Stands in for vllm.LLM: sample j of a request answers (seed + j) % 3, in ((seed + j) % 4 + 1) * 2 tokens
+    (vLLM seeds the j-th copy of a request with seed + j: a sample depends on that seed alone). Like vLLM, it
+    refuses a whole batch when one prompt is longer than `refuse_longer_than` tokens; after `crash_after` calls
+    it fails as a dead engine would."""
 
     def __init__(self, tokenizer, max_model_len=4096, refuse_longer_than=None, crash_after=None):
         self.tokenizer = tokenizer
