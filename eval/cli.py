@@ -1,13 +1,13 @@
 """`sse-rl eval`: avg@k evaluation of a checkpoint through vLLM (see eval/runner.py and docs/rewards-and-eval.md)."""
 import argparse
 import dataclasses
-import functools
 import logging
 import sys
 import typing
 
-from eval.engine import EngineDtype, EvalEngineSettings, StateDtype, build_llm
+from eval.engine import EngineDtype, EvalEngineSettings, StateDtype
 from eval.runner import evaluate, markdown_report
+from eval.workers import EngineProcesses, EngineSpec, engines_for
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems of each dataset")
     p.add_argument("--batch-problems", type=int, default=64, help="problems per generate call (and per save)")
     p.add_argument("--grading-timeout", type=float, default=5.0, help="seconds per answer check")
+    p.add_argument("--engines", type=int, default=None,
+                   help="engines sharing the work, one process each on its own --tensor-parallel-size GPUs "
+                   "(default: as many as the visible GPUs hold; 1 without GPUs)")
     # The engine options are eval.vllm's settings (eval/engine.py), with their defaults.
     default = EvalEngineSettings()
     engine = p.add_argument_group("vLLM engine")
@@ -55,15 +58,16 @@ def engine_settings(args: argparse.Namespace) -> EvalEngineSettings:
 
 def eval_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.n < 1 or args.max_tokens < 1 or args.batch_problems < 1:
-        _parser().error("--n, --max-tokens and --batch-problems must be at least 1")
+    if args.n < 1 or args.max_tokens < 1 or args.batch_problems < 1 or (args.engines or 1) < 1:
+        _parser().error("--n, --max-tokens, --batch-problems and --engines must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seed = None if args.seed < 0 else args.seed
-    engine = functools.partial(build_llm, args.model, engine_settings(args), seed=seed or 0)
-    results = evaluate(engine, [d.strip() for d in args.datasets.split(",") if d.strip()], args.out, n=args.n,
+    spec = EngineSpec(args.model, engine_settings(args), seed=seed or 0)
+    engines, per = engines_for(args.tensor_parallel_size, args.engines)
+    results = evaluate(spec.build, [d.strip() for d in args.datasets.split(",") if d.strip()], args.out, n=args.n,
                        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=seed,
                        limit=args.limit, batch_problems=args.batch_problems, grading_timeout=args.grading_timeout,
-                       model_name=args.model)
+                       model_name=args.model, engines=engines, launch=EngineProcesses(spec, per))
     print(markdown_report(results))
     return 0
 

@@ -271,7 +271,9 @@ class EvalSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class StageResources:
-    num_workers: int = 1  # Ray Train workers of sft and grpo; the other stages run as one Ray task
+    # Ray Train workers of sft and grpo; eval's engines (one process each, in the stage's one Ray task); the other
+    # stages run as one Ray task
+    num_workers: int = 1
     num_cpus: float = 1.0  # per worker
     num_threads: int | None = None  # torch CPU threads per worker without a GPU; None: num_cpus - 1, at least 1
     num_gpus: float = 0.0  # per worker
@@ -627,8 +629,9 @@ def _check(cfg: Config) -> None:
     _check_engines(cfg, require)
     for stage in STAGES:
         res = getattr(cfg.resources, stage)
-        require(res.num_workers == 1 or stage in ("sft", "grpo"), f"resources.{stage}.num_workers",
-                f"the {stage} stage runs as one Ray task; only sft and grpo spread over several workers, "
+        require(res.num_workers >= 1, f"resources.{stage}.num_workers", f"must be at least 1, got {res.num_workers}")
+        require(res.num_workers == 1 or stage in ("sft", "grpo", "eval"), f"resources.{stage}.num_workers",
+                f"the {stage} stage runs as one Ray task; only sft, grpo and eval spread over several workers, "
                 f"got {res.num_workers}")
         require(not res.num_gpus or res.use_gpu, f"resources.{stage}.num_gpus",
                 "GPUs go to a stage with use_gpu: true (then num_gpus per worker, 1 when 0)",
@@ -694,7 +697,7 @@ def _check_sila(cfg: Config, require) -> None:
 
 
 def _check_trainer(cfg: Config, require) -> None:
-    """trainer.*: sharding needs workers to shard over, and every rank in each weight gather."""
+    """trainer.*: sharding needs workers to shard over."""
     t = cfg.trainer
     for name in ("logprob_chunk_tokens", "logprob_chunk_vocab"):
         require(getattr(t, name) >= 1, f"trainer.{name}", f"must be at least 1, got {getattr(t, name)}")
@@ -705,9 +708,6 @@ def _check_trainer(cfg: Config, require) -> None:
         require(stage not in cfg.stages or workers >= 2, "trainer.sharding", f"{t.sharding} shards the trainer "
                 f"state over the {stage} stage's workers: needs resources.{stage}.num_workers >= 2, got {workers}",
                 [f"resources.{stage}.num_workers"])
-    require("grpo" not in cfg.stages or not cfg.grpo.eval_every, "grpo.eval_every", "cannot be combined with "
-            f"trainer.sharding {t.sharding}: the periodic eval pushes the weights from rank 0 alone, and gathering "
-            "sharded weights needs every rank", ["trainer.sharding"])
 
 
 def _check_task(g: GeneratorSettings, key: str, src_kind: str) -> None:

@@ -170,7 +170,9 @@ def launch(stage: str, cfg: Config, run_dir: RunDir, model_path: str | None) -> 
                                  failure_config=FailureConfig(max_failures=cfg.ray.max_failures)))
         trainer.fit()
     else:
-        task = ray.remote(num_cpus=res.num_cpus, num_gpus=gpus_per_worker(res), max_retries=cfg.ray.max_failures)
+        # The eval stage's workers are engine processes of its one task (eval/workers.py): it holds them all.
+        task = ray.remote(num_cpus=res.num_cpus * res.num_workers, num_gpus=gpus_per_worker(res) * res.num_workers,
+                          max_retries=cfg.ray.max_failures)
         ray.get(task(execute_stage).remote(**job))
     if not result_file.exists():
         raise StageFailed(f"stage {stage} ended without a result ({result_file} missing)")

@@ -80,6 +80,16 @@ def test_paper_recipe_numbers():
     assert (cfg.grpo.steps, cfg.grpo.trl["num_generations"], cfg.grpo.trl["max_completion_length"]) == (230, 8, 32768)
     assert (cfg.eval.n, cfg.eval.temperature, cfg.eval.top_p) == (32, 1.0, 0.7)
     assert cfg.data.eval == ["aime24", "aime25", "math500"]
+    assert (cfg.resources.eval.num_workers, cfg.resources.eval.num_gpus) == (8, 1)  # an engine on each GPU
+
+
+def test_periodic_eval_with_a_sharded_trainer(tmp_path):
+    # Every rank pushes its weights and evaluates its share (pipeline/stages/grpo.py PeriodicEval): each takes part
+    # in the sharded weight gather.
+    cfg = load_config(_write(tmp_path, "name: t\nmodel: {tokenizer: {train: true}}\ntrainer: {sharding: fsdp}\n"
+                                       "resources: {sft: {num_workers: 2}, grpo: {num_workers: 2}}\n"
+                                       "grpo: {eval_every: 5}\n"))
+    assert (cfg.trainer.sharding, cfg.grpo.eval_every) == ("fsdp", 5)
 
 
 class _Tokenizer:  # what build_config reads of a tokenizer
@@ -168,8 +178,6 @@ BAD = [
     ("grpo: {vllm: {gpu_memory_utilization: 0}}", "grpo.vllm.gpu_memory_utilization: must be in (0, 1], got 0"),
     ("eval: {max_tokens: 512, vllm: {max_model_len: 512}}", "eval.vllm.max_model_len: must exceed "
      "eval.max_tokens=512 (the context holds the prompt and the answer), got 512"),
-    ("resources: {eval: {num_workers: 8}}", "resources.eval.num_workers: the eval stage runs as one Ray task; only "
-     "sft and grpo spread over several workers, got 8"),
     ("resources: {sft: {num_gpus: 1}}", "resources.sft.num_gpus: GPUs go to a stage with use_gpu: true (then "
      "num_gpus per worker, 1 when 0)"),
     ("grpo: {rewards: [{name: math_accuracy, weight: high}]}",
@@ -214,9 +222,9 @@ BAD = [
     ("trainer: {sharding: zero3}", "trainer.sharding: expected one of 'none', 'fsdp', got str 'zero3'"),
     ("trainer: {sharding: fsdp}", "trainer.sharding: fsdp shards the trainer state over the sft stage's workers: "
      "needs resources.sft.num_workers >= 2, got 1"),
-    ("trainer: {sharding: fsdp}\nresources: {sft: {num_workers: 2}, grpo: {num_workers: 2}}\ngrpo: {eval_every: 5}",
-     "grpo.eval_every: cannot be combined with trainer.sharding fsdp: the periodic eval pushes the weights from rank "
-     "0 alone, and gathering sharded weights needs every rank"),
+    ("resources: {eval: {num_workers: 0}}", "resources.eval.num_workers: must be at least 1, got 0"),
+    ("resources: {init: {num_workers: 2}}", "resources.init.num_workers: the init stage runs as one Ray task; only "
+     "sft, grpo and eval spread over several workers, got 2"),
     ("trainer: {logprob_chunk_vocab: 0}", "trainer.logprob_chunk_vocab: must be at least 1, got 0"),
     ("sft: {fsdp_config: {version: 2}}", "sft.fsdp_config: set by the pipeline (trainer.sharding)"),
     ("grpo: {num_iterations: 4, save_steps: 10}", "grpo.save_steps: must be a multiple of num_iterations=4 (a "
@@ -356,6 +364,7 @@ def test_grpo_vllm_settings_reach_the_rollout_engine():
 
 
 def test_the_eval_stage_builds_its_engines_from_eval_vllm_not_grpo_vllm(monkeypatch, tmp_path):
+    import eval.workers as workers
     import pipeline.stages.evaluate as evaluate
     from eval.engine import EvalEngineSettings
     from pipeline.rundir import RunDir
@@ -367,7 +376,7 @@ def test_the_eval_stage_builds_its_engines_from_eval_vllm_not_grpo_vllm(monkeypa
            "eval.vllm.max_num_seqs=16", "eval.vllm.kv_cache_gib=2"]
     cfg = load_config(tiny, ["eval.models=[last]", "eval.state_problems=0", *grpo, *own])
     built = []
-    monkeypatch.setattr(evaluate, "build_llm", lambda path, settings, *, seed: built.append((path, settings, seed)))
+    monkeypatch.setattr(workers, "build_llm", lambda path, settings, *, seed: built.append((path, settings, seed)))
     monkeypatch.setattr(evaluate, "evaluate", lambda engine, *a, **k: engine() or {})
     monkeypatch.setattr(evaluate, "changes", lambda *a, **k: {})
     # evaluate.run sets the process environment for its in-process engines; restored after the test, or every

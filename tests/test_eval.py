@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
+from vllm.exceptions import VLLMValidationError
 
 from conftest import shared_data_file
 from eval.metrics import bootstrap_ci, compute_metrics, length_edges, majority_score, paired_change, pass_at_k
@@ -197,24 +198,36 @@ def test_malformed_rows_name_file_row_and_field(tmp_path):
 # ---------------------------------------------------------------------------------------------------- runner
 
 class FakeLLM:
-    """Stands in for vllm.LLM: sample j of a request answers (seed + j) % 3, in (j + 1) * 2 tokens."""
+    """Stands in for vllm.LLM: sample j of a request answers (seed + j) % 3, in ((seed + j) % 4 + 1) * 2 tokens
+    (vLLM seeds the j-th copy of a request with seed + j: a sample depends on that seed alone). Like vLLM, it
+    refuses a whole batch when one prompt is longer than `refuse_longer_than` tokens; after `crash_after` calls
+    it fails as a dead engine would."""
 
-    def __init__(self, tokenizer, max_model_len=4096):
+    def __init__(self, tokenizer, max_model_len=4096, refuse_longer_than=None, crash_after=None):
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(max_model_len=max_model_len)
+        self.refuse_longer_than, self.crash_after = refuse_longer_than, crash_after
         self.seeds = []
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def generate(self, requests, params, use_tqdm=False):
+        if self.crash_after is not None:
+            if self.crash_after == 0:
+                raise RuntimeError("engine died")
+            self.crash_after -= 1
+        for request in requests:
+            if self.refuse_longer_than and len(request["prompt_token_ids"]) > self.refuse_longer_than:
+                raise VLLMValidationError(f"The decoder prompt (length {len(request['prompt_token_ids'])}) is "
+                                          "longer than the maximum model length")
         outputs = []
         for request, p in zip(requests, params, strict=True):
             assert request["prompt_token_ids"] and (p.temperature, p.top_p, p.max_tokens) == (1.0, 0.7, 8)
             self.seeds.append(p.seed)
             outputs.append(SimpleNamespace(outputs=[
-                SimpleNamespace(text=f"so \\boxed{{{(p.seed + j) % 3}}}", token_ids=[0] * (j + 1) * 2,
-                                finish_reason="length" if (j + 1) * 2 >= p.max_tokens else "stop")
+                SimpleNamespace(text=f"so \\boxed{{{(p.seed + j) % 3}}}", token_ids=[0] * ((p.seed + j) % 4 + 1) * 2,
+                                finish_reason="length" if ((p.seed + j) % 4 + 1) * 2 >= p.max_tokens else "stop")
                 for j in range(p.n)]))
         return outputs
 
@@ -254,7 +267,8 @@ def test_runner_outputs(tokenizer, problems_file, tmp_path):
     assert metrics["pass@4"] == 1.0 and metrics["truncation_rate"] == 0.25 and metrics["max_length"] == 8
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["toy"] == metrics
     report = (tmp_path / "out" / "results.md").read_text()
-    assert report.startswith("| dataset |") and "| toy | 5 | 4 |" in report
+    assert report.startswith("| dataset |") and "| toy | 5 | 0 | 4 |" in report
+    assert metrics["skipped_problems"] == 0 and not (tmp_path / "out" / "shards").exists()
     assert json.loads((tmp_path / "out" / "run.json").read_text())["top_p"] == 0.7
 
 
@@ -267,7 +281,8 @@ def test_runner_resumes_without_regenerating(tokenizer, problems_file, tmp_path)
     path.write_text("".join(lines[:18]) + lines[18][:25])
     llm = FakeLLM(tokenizer)
     assert run(llm, problems_file, out) == first
-    assert llm.seeds == [problem_seed(0, "toy", "q4")]  # only the damaged problem was generated again
+    # Only q4's lost samples (2 and 3) were drawn again, as one request seeded for its sample 2.
+    assert llm.seeds == [problem_seed(0, "toy", "q4") + 2]
     assert path.read_text().splitlines(keepends=True) == lines  # and it came out the same (seeded)
 
     def no_engine():
@@ -276,9 +291,7 @@ def test_runner_resumes_without_regenerating(tokenizer, problems_file, tmp_path)
     assert run(no_engine, problems_file, out) == first
 
 
-def test_runner_refuses_other_settings_and_long_prompts(tokenizer, problems_file, tmp_path):
+def test_runner_refuses_other_settings(tokenizer, problems_file, tmp_path):
     run(FakeLLM(tokenizer), problems_file, tmp_path / "out")
     with pytest.raises(ValueError, match="other settings .*temperature: 1.0 -> 0.6"):
         run(FakeLLM(tokenizer), problems_file, tmp_path / "out", temperature=0.6)
-    with pytest.raises(ValueError, match="problem 'q0': prompt .* exceeds the engine's max_model_len"):
-        run(FakeLLM(tokenizer, max_model_len=20), problems_file, tmp_path / "other")

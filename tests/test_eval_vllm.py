@@ -1,5 +1,6 @@
 """`sse-rl eval` end to end through vLLM's CPU build on a tiny random-weight Qwen2 checkpoint built here (no
-downloads): n = 4 samples on a few AIME24 and MATH-500 problems, then an interrupted run resumed.
+downloads): n = 4 samples on a few AIME24 and MATH-500 problems, the same over two engines, then an interrupted
+run resumed.
 
 vLLM runs in a subprocess (its workers re-import the main module), with the engine core in that process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), which starts in seconds instead of half a minute.
@@ -40,13 +41,13 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def sse_rl_eval(checkpoint, out: Path) -> subprocess.CompletedProcess:
+def sse_rl_eval(checkpoint, out: Path, *extra: str) -> subprocess.CompletedProcess:
     datasets = ",".join(str(shared_data_file(f"{name}.jsonl")) for name in ("aime24", "math500"))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "eval.cli", "--model", str(checkpoint), "--datasets", datasets, "--out", str(out),
            "--n", "4", "--limit", "3", "--max-tokens", "48", "--batch-problems", "2",
-           "--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.05"]
+           "--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.05", *extra]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -59,7 +60,7 @@ def read_samples(path: Path) -> list[dict]:
 def test_eval_cli_end_to_end_and_resume(checkpoint, tmp_path):
     out = tmp_path / "eval"
     result = sse_rl_eval(checkpoint, out)
-    assert "| aime24 | 3 | 4 |" in result.stdout and "| math500 | 3 | 4 |" in result.stdout
+    assert "| aime24 | 3 | 0 | 4 |" in result.stdout and "| math500 | 3 | 0 | 4 |" in result.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     for name in ("aime24", "math500"):
         m = metrics[name]
@@ -71,8 +72,14 @@ def test_eval_cli_end_to_end_and_resume(checkpoint, tmp_path):
         assert len(samples) == 12 and sorted({s["sample"] for s in samples}) == [0, 1, 2, 3]
         assert all(s["grade"] in ("correct", "wrong") and s["num_tokens"] <= 48 for s in samples)
         assert all(s["truncated"] == (s["finish_reason"] == "length") for s in samples)
-    assert "| aime24 | 3 | 4 |" in (out / "results.md").read_text()
+    assert "| aime24 | 3 | 0 | 4 |" in (out / "results.md").read_text()
     aime24 = (out / "aime24.samples.jsonl").read_text()
+
+    # Two engines (two processes of the CPU build, each drawing samples 0-1 or 2-3 of every problem): the samples
+    # of one.
+    sse_rl_eval(checkpoint, tmp_path / "two", "--engines", "2")
+    for name in ("aime24", "math500"):
+        assert (tmp_path / "two" / f"{name}.samples.jsonl").read_text() == (out / f"{name}.samples.jsonl").read_text()
 
     # Interrupt: the last MATH-500 problem lost two samples and its last line was cut short.
     path = out / "math500.samples.jsonl"
@@ -81,9 +88,7 @@ def test_eval_cli_end_to_end_and_resume(checkpoint, tmp_path):
     sse_rl_eval(checkpoint, out)
     again = path.read_text().splitlines(keepends=True)
     assert again[:8] == lines[:8]  # finished problems are kept as they were, not generated again
-    resumed = [json.loads(line) for line in again[8:]]
-    assert [(s["id"], s["sample"]) for s in resumed] == [(json.loads(lines[8])["id"], j) for j in range(4)]
-    # Seeded per problem (and generated alone both times), it comes out as the uninterrupted run had it.
+    # Seeded per sample, the two lost samples come out as the uninterrupted run had them.
     assert again == lines
     assert (out / "aime24.samples.jsonl").read_text() == aime24
     assert json.loads((out / "metrics.json").read_text())["math500"]["num_problems"] == 3

@@ -103,12 +103,14 @@ def test_tiny_pipeline_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_sft_and_grpo_on_two_ray_train_workers(tmp_path):
     """Data-parallel training through Ray Train: two TorchTrainer workers (one CPU each, gloo) run one TRL trainer
-    between them, and in GRPO each rank samples its share of the rollouts from its own colocated vLLM engine.
-    Checkpoints hold both ranks' RNG states (HF's Trainer writes one per process only when there are several)."""
+    between them, and in GRPO each rank samples its share of the rollouts from its own colocated vLLM engine, and
+    of the periodic eval. Checkpoints hold both ranks' RNG states (HF's Trainer writes one per process only when
+    there are several)."""
     two = ["resources.sft.num_workers=2", "resources.sft.num_cpus=1", "resources.sft.num_threads=1",
-           "resources.grpo.num_workers=2", "resources.grpo.num_cpus=1", "grpo.per_device_batch_size=32"]
+           "resources.grpo.num_workers=2", "resources.grpo.num_cpus=1", "grpo.per_device_batch_size=32",
+           "grpo.eval_every=3", "eval.n=2", "eval.limit=4"]
     out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init,sft,grpo]",
-                 *sum([["--set", s] for s in SHORT + two if not s.startswith("eval.")], []))
+                 *sum([["--set", s] for s in [*(s for s in SHORT if not s.startswith("eval.")), *two]], []))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "tiny"
     for checkpoint in (run / "sft" / "checkpoint-6", run / "grpo" / "checkpoint-3"):
@@ -119,6 +121,11 @@ def test_sft_and_grpo_on_two_ray_train_workers(tmp_path):
     assert all(m["vllm_parity"] < 0.05 and m["sampling/sampling_logp_difference/max"] < 0.05 for m in grpo)
     # rank 0's wait for the other rank's rollout is timed apart from its scoring and left out of the update
     assert all(m["time/rank_wait_s"] >= 0 and m["time/scoring_s"] > 0 and m["time/update_s"] > 0 for m in grpo), grpo
+    # The periodic eval at step 3, drawn by both ranks' engines and merged by rank 0.
+    metrics = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    evals = [m for m in metrics if "eval/arith-test/avg@2" in m]
+    assert [(m["step"], m["eval/arith-test/skipped_problems"]) for m in evals] == [(3, 0)]
+    assert len((run / "grpo" / "eval-step-3" / "arith-test.samples.jsonl").read_text().splitlines()) == 8
 
 
 CLEANER_CHECK = """

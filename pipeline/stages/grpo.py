@@ -47,13 +47,16 @@ class SSEGRPOTrainer(AtomicCheckpointsMixin, ExactStepsOnResumeMixin, BalanceLos
 
 
 class PeriodicEval(TrainerCallback):
-    """Evaluates with the rollout engine every `every` steps, after pushing the current weights into it."""
+    """Every `every` steps, every rank pushes the current weights into its colocated engine and draws its share of
+    the eval stage's datasets (eval/runner.py, `ranks`), as verl validates on all its rollout workers: no rank waits
+    for another's whole evaluation, and under `trainer.sharding: fsdp` every rank takes part in the weight gather.
+    Rank 0 merges and logs the scores."""
 
     def __init__(self, cfg, run_dir, every: int):
         self.cfg, self.run_dir, self.every, self.trainer = cfg, run_dir, every, None
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every or not state.is_world_process_zero:
+        if state.global_step % self.every:
             return
         from eval.runner import evaluate
 
@@ -63,9 +66,12 @@ class PeriodicEval(TrainerCallback):
         e = self.cfg.eval
         results = evaluate(generation.llm, eval_datasets(self.cfg), self.run_dir.stage_dir("grpo") /
                            f"eval-step-{state.global_step}", n=e.n, temperature=e.temperature, top_p=e.top_p,
-                           max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit)
-        self.run_dir.log_metrics("grpo", state.global_step,
-                                 {f"eval/{name}/avg@{e.n}": m[f"avg@{e.n}"] for name, m in results.items()})
+                           max_tokens=e.max_tokens, seed=self.cfg.seed, limit=e.limit,
+                           ranks=self.trainer.accelerator.num_processes > 1)
+        if state.is_world_process_zero:
+            self.run_dir.log_metrics("grpo", state.global_step, {
+                f"eval/{name}/{key}": m[key] for name, m in results.items()
+                for key in (f"avg@{e.n}", "skipped_problems") if key in m})
 
 
 def run(cfg, run_dir, model_path) -> dict:
