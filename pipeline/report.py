@@ -17,6 +17,10 @@ PLOTS = [  # (file, title, stage, metric-name pattern)
      r"^rewards/math_accuracy/mean$|^eval/.*avg@\d+$"),
     ("grpo_length.png", "GRPO response length (tokens)", "grpo", r"^completions/(mean|max)_length$"),
     ("grpo_kl_clip.png", "GRPO KL and clip fraction", "grpo", r"^kl$|^clip_ratio/region_mean$"),
+    ("grpo_routing.png", "GRPO routing health per SSE layer: usage entropy (nats) and modal set share",
+     "grpo", r"^routing/(usage_entropy|modal_set_share)/\d+$"),
+    ("grpo_route_flips.png", "GRPO route-flip rate, engine versus trainer (share of routed tokens)", "grpo",
+     r"^routing/flip_rate(/\d+)?$"),
 ]
 
 

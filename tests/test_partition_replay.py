@@ -1,5 +1,8 @@
 """Partition replay (issue 75, item 4): the SSE operator and the HF model select the partitions they are given,
 while the router's softmax stays in the graph."""
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -110,3 +113,61 @@ def test_replayed_router_gets_its_gradient():
     model(ids, partition_routes=routes).logits.sum().backward()
     for layer in (model.model.layers[0], model.model.layers[2]):
         assert layer.linear_attn.router.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- GRPO's side
+def test_aligned_routes_follow_left_padded_prompts():
+    from pipeline.partition_routes import aligned_routes
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    first = np.arange(3 * 2).reshape(3, 2, 1).astype(np.int16)   # 2 prompt tokens + completion, last one missing
+    second = np.arange(6 * 2).reshape(6, 2, 1).astype(np.int16)
+    out = aligned_routes([first, second], mask)
+    assert out.shape == (2, 7, 2, 1)
+    assert (out[0, :2] == -1).all() and torch.equal(out[0, 2:5], torch.from_numpy(first).long())
+    assert (out[0, 5:] == -1).all()
+    assert torch.equal(out[1, :6], torch.from_numpy(second).long()) and (out[1, 6] == -1).all()
+    with pytest.raises(RuntimeError, match="recorded no partition routes"):
+        aligned_routes([None, None], mask)
+
+
+def test_route_flips_compare_sets_over_routed_kept_tokens():
+    from pipeline.partition_routes import flip_metrics, route_flips
+    choices = torch.tensor([[[[0, 1], [2, 3], [1, 0]]]])            # [L=1, B=1, T=3, K=2]
+    routes = torch.tensor([[[[1, 0]], [[2, 1]], [[-1, -1]]]])       # same set, flipped, not routed
+    flipped, counted = route_flips(choices, routes, None)
+    assert flipped.tolist() == [1] and counted.tolist() == [2]
+    flipped, counted = route_flips(choices, routes, torch.tensor([[1, 0, 1]]))
+    assert flipped.tolist() == [0] and counted.tolist() == [1]
+    assert flip_metrics(torch.tensor([1, 0]), torch.tensor([2, 2])) == {
+        "routing/flip_rate": 0.25, "routing/flip_rate/0": 0.5, "routing/flip_rate/1": 0.0}
+
+
+def test_routing_health_entropy_and_modal_set_share():
+    from pipeline.partition_routes import routing_health
+    usage = torch.tensor([[0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 0.0, 0.0]])  # K = 2: uniform; one pair
+    choices = torch.tensor([[[[0, 1], [1, 0], [2, 3], [0, 1]]], [[[0, 1]] * 4]])  # [L=2, B=1, T=4, K=2]
+    health = routing_health(usage, choices, 4, torch.tensor([[1, 1, 1, 0]]))
+    assert health["routing/usage_entropy/0"] == pytest.approx(math.log(4), abs=1e-4)
+    assert health["routing/usage_entropy/1"] == pytest.approx(math.log(2), abs=1e-4)
+    assert health["routing/modal_set_share/0"] == pytest.approx(2 / 3, abs=1e-4)  # {0, 1} twice of 3 kept
+    assert health["routing/modal_set_share/1"] == 1.0
+
+
+def test_route_feed_hands_each_sliced_forward_its_rows():
+    """TRL scores a batch in slices; each backbone call gets the next rows of the routes, replayed, and the flips
+    against the trainer's own choice are counted."""
+    from pipeline.partition_routes import RouteFeed
+    model = tiny_model()
+    ids = torch.randint(1, 61, (4, 11))
+    mask = torch.ones_like(ids)
+    routes = other_routes(torch.zeros(4, 11, 4), 2, seed=2)[:, :, None].expand(-1, -1, 2, -1)
+    whole = model(ids, attention_mask=mask, partition_routes=routes).logits
+    seen = []
+    with RouteFeed(model.model, lambda offset, count, m: routes[offset:offset + count], replay=True,
+                   on_flips=lambda f, c: seen.append((f, c))):
+        sliced = torch.cat([model(ids[i:i + 2], attention_mask=mask[i:i + 2]).logits for i in (0, 2)])
+    assert torch.allclose(sliced, whole, atol=1e-6)
+    assert len(seen) == 2 and all(int(c.sum()) == 2 * 2 * 11 for _, c in seen)
+    assert sum(int(f.sum()) for f, _ in seen) > 0
+    unreplayed = model(ids, attention_mask=mask).logits  # hooks removed on exit
+    assert (unreplayed - whole).abs().max() > 1e-4
