@@ -70,7 +70,8 @@ class RouteFeed:
     """While entered: each forward of `backbone` (the SSEModel) gets the next rows of `source(offset, count,
     attention_mask)` ([count, T, layers, K] routes) as the selection to replay when `replay`, and `on_flips(flipped,
     counted)` is told how the trainer's own choices differ from them. Forwards take the rows in order, as TRL's
-    log-probability passes walk their batch in slices."""
+    log-probability passes walk their batch in slices; a forward for which the source has no routes yet (None: the
+    parity probe after a weight push, before the rollout) runs as it would without the feed and takes none."""
 
     def __init__(self, backbone, source, *, replay: bool, on_flips=None):
         self.backbone, self.source, self.replay, self.on_flips = backbone, source, replay, on_flips
@@ -83,7 +84,10 @@ class RouteFeed:
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
-        self.current = (self.source(self.offset, ids.shape[0], mask), mask)
+        rows = self.source(self.offset, ids.shape[0], mask)
+        if rows is None:
+            return args, kwargs
+        self.current = (rows, mask)
         self.offset += ids.shape[0]
         if self.replay:
             kwargs["partition_routes"] = self.current[0]

@@ -309,9 +309,13 @@ class OwnRolloutEngineMixin:
         llm = self.vllm_generation.llm
         if not llm.record_routes:
             return self._score_completions(inputs)
-        # The passes inside (old and reference log-probabilities) run on the rollout's rows in order.
-        with self._route_feed(lambda offset, count, mask: aligned_routes(llm.last_routes[offset:offset + count],
-                                                                           mask), flips=False):
+        # The passes inside after the rollout (old and reference log-probabilities) run on its rows in order;
+        # the parity probe of the weight push before it has none.
+        llm.last_routes = None
+
+        def rollout_rows(offset, count, mask):
+            return None if llm.last_routes is None else aligned_routes(llm.last_routes[offset:offset + count], mask)
+        with self._route_feed(rollout_rows, flips=False):
             output = self._score_completions(inputs)
         output["partition_routes"] = aligned_routes(
             llm.last_routes, torch.cat([output["prompt_mask"], output["completion_mask"]], 1))

@@ -371,8 +371,12 @@ def record_routes_per_request() -> None:
 
     if getattr(GPUModelRunner, "_sse_records_routes", False):
         return
-    model_forward = GPUModelRunner._model_forward
+    GPUModelRunner._model_forward = _filing_routes(GPUModelRunner._model_forward)
+    GPUModelRunner._sse_records_routes = True
 
+
+def _filing_routes(model_forward):
+    """The runner's `model_forward`, followed by the recorder's `end_step` for the step it ran."""
     def _model_forward(self, *args, **kwargs):
         out = model_forward(self, *args, **kwargs)
         recorder = getattr(self.get_model(), "route_recorder", None)
@@ -381,9 +385,7 @@ def record_routes_per_request() -> None:
             recorder.end_step(self.input_batch.req_ids[:num_requests], self.query_start_loc.np[:num_requests + 1],
                               kwargs["positions"])
         return out
-
-    GPUModelRunner._model_forward = _model_forward
-    GPUModelRunner._sse_records_routes = True
+    return _model_forward
 
 
 def _take_worker_routes(worker) -> dict:
