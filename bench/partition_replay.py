@@ -12,6 +12,7 @@ template wraps the built-in math prompts (`--prompt-file`: one prompt per line i
 --max-tokens (`--stop-at-eos` lets them end early), at temperature 1 and top_p 1, as GRPO samples.
 """
 import argparse
+import os
 import sys
 
 import torch
@@ -58,6 +59,8 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The engine in this process, as GRPO's colocated one: the routes are taken from its model directly.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -87,7 +90,8 @@ def main(argv=None):
         table[:len(recorded)] = torch.from_numpy(recorded.astype("int64"))
         for mode, replay in (("own routes", None), ("replayed", table)):
             trainer, choices = score(model, prompt, completion, replay)
-            used = choices if replay is None else torch.where(table[None] >= 0, table.transpose(0, 1), choices)
+            engine = table.transpose(0, 1)  # [SSE layers, T, K], as the choices
+            used = choices if replay is None else torch.where(engine >= 0, engine, choices)
             t = totals[mode]
             t["used"] += int(route_flips(used[:, None], table[None], None)[0].sum())
             t["own"] += int(route_flips(choices[:, None], table[None], None)[0].sum())

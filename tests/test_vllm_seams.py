@@ -390,19 +390,15 @@ def test_record_routes_per_request_seam():
 
 
 def test_take_routes_seam():
-    """`LLM.collective_rpc` takes a callable, run with the worker; the engine's request ids are the front end's,
-    or it followed by "-" and a suffix."""
-    from vllm import LLM
+    """The engine's request ids are the front end's, or it followed by "-" and a suffix."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    assert "method: str | Callable" in source(LLM.collective_rpc)
     assert 'request.request_id = f"{request.external_req_id}-{random_uuid():.8}"' in source(InputProcessor)
     table = np.zeros((3, 1, 1), dtype=np.int16)
 
     class Engine:
-        def collective_rpc(self, method):
-            worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: SimpleNamespace(
-                route_recorder=SimpleNamespace(take=lambda: {"7-0a1b2c3d": table, "8": table + 1}))))
-            return [method(worker)]
+        def apply_model(self, func):  # vLLM's: the function on every worker's model
+            return [func(SimpleNamespace(route_recorder=SimpleNamespace(
+                take=lambda: {"7-0a1b2c3d": table, "8": table + 1})))]
     routes = seams.take_routes(Engine(), ["8", "7", "9"])
     assert routes[0].tolist() == (table + 1).tolist() and routes[1] is table and routes[2] is None

@@ -47,9 +47,10 @@ Seams, and what each relies on:
   `_model_forward(input_ids=, positions=, ...)` once per step, with `self.input_batch.req_ids` and
   `self.query_start_loc.np` ([requests + 1] token offsets) describing that step's batch, its tokens in that order,
   and `get_model()` the model.
-- `take_routes` [after generate, with route recording]: `LLM.collective_rpc(callable)` runs it on every worker
-  with the worker as argument (`worker.model_runner`); engine request ids are the front end's request id, or it
-  followed by "-" and a suffix (0.32 adds a random one).
+- `take_routes` [after generate, with route recording]: engine request ids are the front end's request id, or it
+  followed by "-" and a suffix (0.32 adds a random one). (It reaches the model through `LLM.apply_model`, public
+  API, which for an engine in another process sends the function pickled: vLLM allows that only with
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1; GRPO's colocated engine runs in-process.)
 - `in_layerwise_reload` [`SSEForCausalLM.load_weights`]: `get_layerwise_info(model).can_load()`.
 - `reload_weights` [`sync.push_weights`]: the workers' `reload_weights(weights_iterator=, is_checkpoint_format=)`.
 """
@@ -353,7 +354,7 @@ def rewind_seeded_generators_on_cpu() -> None:
 # ---------------------------------------------------------------------------------------------- partition routes
 # How the routes each request's tokens took get back to the caller (`sse_model.vllm.routes`). The choice: the model
 # writes them into a step buffer on the device, the model runner's per-step hook below files them under the step's
-# request ids, and the caller takes them after generate through collective_rpc. vLLM's own per-token extra output,
+# request ids, and the caller takes them after generate through `LLM.apply_model`. vLLM's own per-token extra output,
 # the routed-experts return of MoE models (`enable_return_routed_experts`), would carry them in the RequestOutput,
 # but it is built for FusedMoE routers: it sizes its buffers from MoE fields of the config (experts, experts per
 # token, every layer), binds to MoE router classes, and is a different mechanism in each release (a shared-memory
@@ -388,8 +389,8 @@ def _filing_routes(model_forward):
     return _model_forward
 
 
-def _take_worker_routes(worker) -> dict:
-    recorder = getattr(worker.model_runner.get_model(), "route_recorder", None)
+def _take_model_routes(model) -> dict:
+    recorder = getattr(model, "route_recorder", None)
     return {} if recorder is None else recorder.take()
 
 
@@ -397,7 +398,7 @@ def take_routes(llm, request_ids: list[str]) -> list:
     """The routes [positions, SSE layers, K] the engine recorded for each of `request_ids` (the front end's ids,
     `RequestOutput.request_id`), None for a request it has none of; every recorded route is forgotten. One
     tensor-parallel rank's record is enough: every rank routes with the same logits."""
-    recorded = llm.collective_rpc(_take_worker_routes)[0]
+    recorded = llm.apply_model(_take_model_routes)[0]
     by_front_end_id = {}
     for engine_id, routes in recorded.items():
         by_front_end_id[engine_id] = routes
