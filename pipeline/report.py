@@ -1,6 +1,6 @@
 """`runs/<name>/report.md` with PNG plots: SFT loss; GRPO reward (total and per function), accuracy, response
-length, KL / clip fraction; SSE partition usage; stage table, the eval tables and each model's SSE state table.
-Rewritten after every stage."""
+length, KL / clip fraction, routing health and route flips; SSE partition usage; stage table, the eval tables and
+each model's SSE state table. Rewritten after every stage."""
 import json
 import re
 from collections import defaultdict
