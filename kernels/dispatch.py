@@ -52,7 +52,7 @@ RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("norm_gate"
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
-                  initial_state, cu_seqlens):
+                  initial_state, cu_seqlens, route_index=None):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, c], got shape {tuple(q.shape)}")
     B, T, H, c = q.shape
@@ -69,6 +69,14 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
     N = router_logits.shape[-1]
     if not 1 <= top_k <= N:
         raise ValueError(f"top_k must be in [1, N={N}], got {top_k}")
+    if route_index is not None and (tuple(route_index.shape) != (B, T, top_k) or route_index.is_floating_point()):
+        raise ValueError(f"route_index must be integer [B, T, top_k] = {(B, T, top_k)}, got {route_index.dtype} "
+                         f"{tuple(route_index.shape)}")
+    # Like cu_seqlens, its values are checked only where reading them is free: a partition out of range would be
+    # read past the state (the same partition twice is only a wrong selection).
+    if route_index is not None and route_index.device.type == "cpu" and route_index.numel() and not (
+            0 <= int(route_index.min()) and int(route_index.max()) < N):
+        raise ValueError(f"route_index holds partitions outside [0, N={N})")
     if row_topk is not None and not 1 <= row_topk <= c:
         raise ValueError(f"row_topk must be in [1, c={c}], got {row_topk}")
     if cu_seqlens is not None and B != 1:
@@ -106,7 +114,7 @@ def pick_implementation(device: torch.device, top_k: int | None = None, num_part
 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                   row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  decay_normalizer=None, replay=None, impl="auto"):
+                  decay_normalizer=None, replay=None, route_index=None, impl="auto"):
     """SSE over whole sequences (docs/model.md).
 
     q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
@@ -117,10 +125,13 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     With `replay` (a `kernels.CheckpointReplay`, for a call inside torch's checkpoint with the replay's contexts),
     the indexed Triton path's recomputation takes the first forward's routing and output instead of computing them
     again; the others compute again, as without it.
+    With `route_index` [B, T, K] (integer), each token's selected partitions are those instead of the top-K of its
+    router logits (partition replay, docs/pipeline.md): only the discrete choice is replayed, the selected
+    partitions are still weighted by the softmax of `router_logits`, so the router keeps its gradient.
     Returns (o [B, T, H, d_v], final_state [B or segments, H, N + shared, c, d_v] or None), shared partition last.
     """
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
-                  initial_state, cu_seqlens)
+                  initial_state, cu_seqlens, route_index)
     if impl == "auto":
         impl = pick_implementation(q.device, top_k, router_logits.shape[-1])
     if impl not in IMPLEMENTATIONS:
@@ -132,6 +143,8 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
         log_decay = log_decay_from_logits(log_decay, decay_normalizer)
     if replay is not None and impl in TAKES_REPLAY:
         fused["replay"] = replay
+    if route_index is not None:
+        fused["route_index"] = route_index
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                                  k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,

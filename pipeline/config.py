@@ -230,6 +230,10 @@ class GRPOSettings:
     report_to: list[Tracker] = field(default_factory=list)  # TensorBoard logs go to grpo/runs/
     eval_every: int | None = None  # run the eval stage's datasets every N steps
     parity_threshold: float = 0.1  # largest |logprob(vLLM) - logprob(trainer)| allowed after a weight push
+    # The trainer's forwards select the partitions the rollout engine chose for each token (docs/pipeline.md,
+    # "Partition replay and routing health"); route_flip_rate logs how often the trainer's own choice differs.
+    partition_replay: bool = False
+    route_flip_rate: bool = False
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     trl: dict[str, Any] = field(default_factory=lambda: dict(GRPOSettings.trl_defaults))
 

@@ -1,6 +1,6 @@
 """`runs/<name>/report.md` with PNG plots: SFT loss; GRPO reward (total and per function), accuracy, response
-length, KL / clip fraction; SSE partition usage; stage table, the eval tables and each model's SSE state table.
-Rewritten after every stage."""
+length, KL / clip fraction, routing health and route flips; SSE partition usage; stage table, the eval tables and
+each model's SSE state table. Rewritten after every stage."""
 import json
 import re
 from collections import defaultdict
@@ -17,6 +17,10 @@ PLOTS = [  # (file, title, stage, metric-name pattern)
      r"^rewards/math_accuracy/mean$|^eval/.*avg@\d+$"),
     ("grpo_length.png", "GRPO response length (tokens)", "grpo", r"^completions/(mean|max)_length$"),
     ("grpo_kl_clip.png", "GRPO KL and clip fraction", "grpo", r"^kl$|^clip_ratio/region_mean$"),
+    ("grpo_routing.png", "GRPO routing health per SSE layer: usage entropy (nats) and modal set share",
+     "grpo", r"^routing/(usage_entropy|modal_set_share)/\d+$"),
+    ("grpo_route_flips.png", "GRPO route-flip rate, engine versus trainer (share of routed tokens)", "grpo",
+     r"^routing/flip_rate(/\d+)?$"),
 ]
 
 

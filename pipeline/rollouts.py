@@ -23,10 +23,13 @@ class WeightSyncDrift(RuntimeError):
 
 
 class SeededLLM:
-    """A `vllm.LLM` whose generate() seeds every request that has no seed of its own, from `seed_base()`."""
+    """A `vllm.LLM` whose generate() seeds every request that has no seed of its own, from `seed_base()`. With
+    `record_routes` (an engine that records partition routes, sse_model/vllm/routes.py), `last_routes` holds after
+    each generate the routes of each request [positions, SSE layers, K], in the order of its outputs."""
 
-    def __init__(self, llm, seed_base):
+    def __init__(self, llm, seed_base, record_routes: bool = False):
         self._llm, self._seed_base = llm, seed_base
+        self.record_routes, self.last_routes = record_routes, None
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
@@ -37,7 +40,11 @@ class SeededLLM:
             sampling_params = [sampling_params.clone() for _ in prompts]
             for i, params in enumerate(sampling_params):
                 params.seed = base + i
-        return self._llm.generate(prompts, sampling_params, **kwargs)
+        outputs = self._llm.generate(prompts, sampling_params, **kwargs)
+        if self.record_routes:
+            from sse_model.vllm import seams
+            self.last_routes = seams.take_routes(self._llm, [o.request_id for o in outputs])
+        return outputs
 
 
 def push_and_check(engine, model, named_tensors: Iterable[tuple[str, torch.Tensor]], parity_ids: list[int],
@@ -62,10 +69,16 @@ def engine_dtype(cfg, settings) -> str:
     return cfg.model.dtype if settings.dtype == "auto" else settings.dtype
 
 
+def records_routes(cfg) -> bool:
+    """Whether the rollout engine records partition routes: for replay, or for the route-flip rate."""
+    return cfg.grpo.partition_replay or cfg.grpo.route_flip_rate
+
+
 def engine_kwargs(cfg, model_path: str) -> dict:
     """`vllm.LLM` arguments for the colocated rollout engine."""
     v, g = cfg.grpo.vllm, cfg.grpo
-    return dict(model=model_path, dtype=engine_dtype(cfg, v), seed=cfg.seed,
+    routes = {"additional_config": {"sse_record_routes": True}} if records_routes(cfg) else {}
+    return routes | dict(model=model_path, dtype=engine_dtype(cfg, v), seed=cfg.seed,
                 gpu_memory_utilization=v.gpu_memory_utilization,
                 max_model_len=g.max_prompt_length + g.trl["max_completion_length"], max_num_seqs=v.max_num_seqs,
                 enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager, tensor_parallel_size=1,

@@ -14,6 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 from pipeline.faults import fault_point
+from pipeline.partition_routes import routing_health
 from pipeline.rundir import CHECKPOINT, RunDir, latest_checkpoint
 from sse_model.hub_code import save_model_code
 from tasks.files import replace_dir
@@ -21,22 +22,27 @@ from tasks.files import replace_dir
 
 class StageCallback(TrainerCallback):
     """Writes the trainer's logs into the run's metrics.jsonl (one line per log event), with the SSE routing
-    statistics of the forward passes since the last log: partition usage per SSE layer and the balance loss; and
-    the stage's progress (step, total, which attempt, from which checkpoint) for the driver's console."""
+    statistics of the training forward passes since the last log: per SSE layer the partition usage, its entropy
+    and the share of the most used set of partitions (`routing/usage_entropy/<layer>`,
+    `routing/modal_set_share/<layer>`), and the balance loss; and the stage's progress (step, total, which attempt,
+    from which checkpoint) for the driver's console."""
 
     def __init__(self, run: RunDir, stage: str, model=None):
         self.run, self.stage = run, stage
         self._attempt = {}
-        self._usage, self._balance, self._count = 0.0, 0.0, 0
+        self._usage, self._balance, self._health, self._count = 0.0, 0.0, {}, 0
         if model is not None:  # the backbone: TRL's fused LM head calls it directly, bypassing the model's forward
-            model.base_model.register_forward_hook(self._record_routing)
+            model.base_model.register_forward_hook(self._record_routing, with_kwargs=True)
 
-    def _record_routing(self, module, args, output):
+    def _record_routing(self, module, args, kwargs, output):
         usage = getattr(output, "partition_usage", None)
         if usage is None or not torch.is_grad_enabled():  # count training forwards only, not no-grad scoring
             return
         self._usage = self._usage + usage.detach().float().cpu()
         self._balance += float(output.balance_loss.detach())
+        health = routing_health(usage.detach(), output.partition_choices, module.config.sse_num_partitions,
+                                kwargs.get("attention_mask"))
+        self._health = {name: self._health.get(name, 0.0) + value for name, value in health.items()}
         self._count += 1
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -60,9 +66,10 @@ class StageCallback(TrainerCallback):
         clean.update(gpu_memory() | update_time(clean))
         if self._count:
             clean["balance_loss"] = self._balance / self._count
+            clean.update({name: round(value / self._count, 4) for name, value in self._health.items()})
             for layer, row in enumerate((self._usage / self._count).tolist()):
                 clean.update({f"partition_usage/{layer}/{p}": round(u, 4) for p, u in enumerate(row)})
-            self._usage, self._balance, self._count = 0.0, 0.0, 0
+            self._usage, self._balance, self._health, self._count = 0.0, 0.0, {}, 0
         self.run.log_metrics(self.stage, state.global_step, clean)
 
 

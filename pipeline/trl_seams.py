@@ -27,7 +27,12 @@ Seams (stage in brackets), and what each relies on:
   `time/scoring_s`; on several ranks the wait for the others before it as `time/rank_wait_s`);
   `_generate_and_score_completions(inputs)` returns `completion_mask`, and with vLLM importance sampling on
   `old_per_token_logps` (the trainer's) and `sampling_per_token_logps` (vLLM's) for the sampled tokens (their
-  KL, `sampling/kl_rollout_trainer`, computed by `rollout_kl`).
+  KL, `sampling/kl_rollout_trainer`, computed by `rollout_kl`). With partition routes recorded
+  (`grpo.partition_replay`, `grpo.route_flip_rate`): the dict it returns goes through TRL's shuffle and split of
+  the generation batch (`shuffle_sequence_dict`, `split_tensor_dict`: every tensor along its first dimension), so
+  a `partition_routes` tensor added to it reaches `compute_loss(model, inputs, ...)` with its rows; the
+  log-probability passes (`_get_per_token_logps_and_entropies`) call the backbone on slices of the batch in order
+  (`pipeline.partition_routes.RouteFeed`); a prompt is left-padded and its completion follows it.
 - `SSEVLLMGeneration` [grpo]: `VLLMGeneration.__init__` calls `self._init_vllm()`; `generate()` samples through
   `self.llm` and returns `(prompt_ids, completion_ids, ...)`; the trainer calls `sync_weights()` when the step
   changed. Both are timed (`time/rollout_s`, `rollout_tokens_per_s`, `time/weight_push_s`). With
@@ -60,6 +65,7 @@ from trl.trainer.utils import ensure_master_addr_port
 
 from eval.engine import reporting_slow_start
 from pipeline.faults import fault_point
+from pipeline.partition_routes import RouteFeed, aligned_routes, flip_metrics
 from pipeline.rollouts import SeededLLM, push_and_check
 from pipeline.rundir import latest_checkpoint
 from pipeline.token_weights import TokenWeightCollator, TokenWeighting
@@ -252,13 +258,16 @@ class OwnRolloutEngineMixin:
     (`engine`: `vllm.LLM` arguments). TRL would build its own engine when `use_vllm` is set, so the trainer is
     constructed with vLLM off and the engine attached after. The subclass defines `rollout_seed_base()`."""
 
-    def __init__(self, *, engine: dict, parity_ids: list[int], parity_threshold: float, **kwargs):
+    def __init__(self, *, engine: dict, parity_ids: list[int], parity_threshold: float,
+                 partition_replay: bool = False, route_flip_rate: bool = False, **kwargs):
         args = kwargs["args"]
         args.use_vllm = False
         super().__init__(**kwargs)
         args.use_vllm = self.use_vllm = True
+        self.partition_replay, self.route_flip_rate = partition_replay, route_flip_rate
         self.vllm_generation = SSEVLLMGeneration(
             engine_kwargs=engine, seed_base=self.rollout_seed_base, parity_ids=parity_ids,
+            record_routes=partition_replay or route_flip_rate,
             parity_threshold=parity_threshold, log=lambda name, value: log_train_metric(self, name, value),
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
             max_num_seqs=engine.get("max_num_seqs"), repetition_penalty=self.repetition_penalty,
@@ -278,7 +287,42 @@ class OwnRolloutEngineMixin:
         log_train_metric(self, "time/scoring_s", time.perf_counter() - started)
         return rewards
 
+    def _route_feed(self, source, flips: bool):
+        """`RouteFeed` on the policy's backbone: replaying under `grpo.partition_replay`, counting route flips
+        into the step's metrics when `flips`."""
+        def log_flips(flipped, counted):
+            for name, value in flip_metrics(flipped, counted).items():
+                log_train_metric(self, name, value)
+        return RouteFeed(self.accelerator.unwrap_model(self.model).base_model, source, replay=self.partition_replay,
+                         on_flips=log_flips if flips else None)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        routes = inputs.get("partition_routes")
+        if routes is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # (a copy without them: with num_iterations > 1 TRL gives the same dict again)
+        inputs = {name: value for name, value in inputs.items() if name != "partition_routes"}
+        with self._route_feed(lambda offset, count, mask: routes[offset:offset + count],
+                              flips=self.route_flip_rate and model.training):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     def _generate_and_score_completions(self, inputs):
+        llm = self.vllm_generation.llm
+        if not llm.record_routes:
+            return self._score_completions(inputs)
+        # The passes inside after the rollout (old and reference log-probabilities) run on its rows in order;
+        # the parity probe of the weight push before it has none.
+        llm.last_routes = None
+
+        def rollout_rows(offset, count, mask):
+            return None if llm.last_routes is None else aligned_routes(llm.last_routes[offset:offset + count], mask)
+        with self._route_feed(rollout_rows, flips=False):
+            output = self._score_completions(inputs)
+        output["partition_routes"] = aligned_routes(
+            llm.last_routes, torch.cat([output["prompt_mask"], output["completion_mask"]], 1))
+        return output
+
+    def _score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and "old_per_token_logps" in output and "sampling_per_token_logps" in output:
             kl = rollout_kl(output["sampling_per_token_logps"], output["old_per_token_logps"],
@@ -294,8 +338,8 @@ class SSEVLLMGeneration(VLLMGeneration):
     and the time of each rollout and push."""
 
     def __init__(self, *, engine_kwargs: dict, seed_base, parity_ids: list[int], parity_threshold: float,
-                 log, **kwargs):
-        self.engine_kwargs, self.seed_base = engine_kwargs, seed_base
+                 log, record_routes: bool = False, **kwargs):
+        self.engine_kwargs, self.seed_base, self.record_routes = engine_kwargs, seed_base, record_routes
         self.parity_ids, self.parity_threshold, self.log = parity_ids, parity_threshold, log
         super().__init__(mode="colocate", enable_sleep_mode=engine_kwargs.get("enable_sleep_mode", False), **kwargs)
 
@@ -315,7 +359,7 @@ class SSEVLLMGeneration(VLLMGeneration):
         # into the stage log: vLLM's own line about its runner does not reach it
         runner = "V2" if self.engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
         print(f"rollout engine: vLLM {vllm_version}, {runner} model runner", flush=True)
-        self.llm = SeededLLM(self.engine, self.seed_base)  # what TRL's generate() uses
+        self.llm = SeededLLM(self.engine, self.seed_base, self.record_routes)  # what TRL's generate() uses
         if self.enable_sleep_mode:  # as TRL's own colocated engine: asleep until the first rollout needs it
             self.engine.sleep(level=2)
         # Level 2 drops the weights: TRL's generate() pushes them (sync_weights) before it wakes the cache

@@ -236,9 +236,11 @@ class SSELayer(nn.Module):
     # kernels, which dynamo does not trace soundly (a traced SSE-H training step ended in an illegal memory access;
     # tests/test_model.py compiles the model). The compiled graph takes the rest: norms, MLPs, attention, the loss.
     @torch.compiler.disable
-    def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None, replay=None):
+    def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None, replay=None, route_index=None):
         """`replay`: a `kernels.CheckpointReplay` when this call runs inside torch's checkpoint with its contexts
-        (`SSEModel.forward`), which lets the operator's recomputation replay the first forward."""
+        (`SSEModel.forward`), which lets the operator's recomputation replay the first forward. `route_index`
+        [B, T, K]: the partitions each token selects (partition replay, `replayed_selection`), whole sequences
+        only."""
         recipes = []
         inputs, gate = self.project(x, token_mask, recipes)
         state = past_key_values.sse_state(self.layer_idx) if past_key_values is not None else None
@@ -248,10 +250,13 @@ class SSELayer(nn.Module):
             # updates the cached state in place
             o = kernels.sse_decode(state, slots, **step, **self.ops, impl=self.config.sse_decode_impl)[:, None]
         else:
+            if route_index is not None:
+                route_index = replayed_selection(route_index, inputs["router_logits"], self.ops["top_k"])
             with kernels.recomputed_when_saved(recipes):
                 o, final = kernels.sse_attention(**inputs, **self.ops, initial_state=state,
                                                  output_final_state=past_key_values is not None,
-                                                 cu_seqlens=cu_seqlens, replay=replay, impl=self.config.sse_impl)
+                                                 cu_seqlens=cu_seqlens, replay=replay, route_index=route_index,
+                                                 impl=self.config.sse_impl)
             if past_key_values is not None:
                 past_key_values.update_recurrent_state(final.float(), self.layer_idx)
         return self.output(o.to(x.dtype), gate), inputs["router_logits"]
@@ -270,12 +275,13 @@ class SSEDecoderLayer(nn.Module):
         self.mlp = SSEMLP(config)
 
     def forward(self, x, *, past_key_values=None, token_mask=None, cu_seqlens=None, position_embeddings=None,
-                attention_mask=None, replay=None, **kwargs):
+                attention_mask=None, replay=None, route_index=None, **kwargs):
         router_logits = None
         h = self.input_layernorm(x)
         if self.layer_type == SSE_LAYER:
             h, router_logits = self.linear_attn(h, token_mask=token_mask, cu_seqlens=cu_seqlens,
-                                                past_key_values=past_key_values, replay=replay)
+                                                past_key_values=past_key_values, replay=replay,
+                                                route_index=route_index)
         else:
             h = self.self_attn(h, position_embeddings=position_embeddings, attention_mask=attention_mask,
                                past_key_values=past_key_values, **kwargs)
@@ -305,16 +311,27 @@ class SSECache(DynamicCache):
         return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
 
 
-def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None):
+def replayed_selection(routes: torch.Tensor, router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The partitions [B, T, K] each token selects under partition replay: `routes` [B, T, K], the rollout
+    engine's choice, where it has one, and the top-K of the layer's own router logits where it has none (-1: a
+    token the engine never computed, such as a completion's last, or padding)."""
+    own = router_logits.topk(top_k, -1).indices
+    return torch.where(routes[..., :1] >= 0, routes.to(own.dtype), own)
+
+
+def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None,
+                 chosen_index: torch.Tensor | None = None):
     """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers, and the usage f
     [layers, N] for logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go:
     per layer, these ~15 small ops each way were a visible share of the training step's host time).
 
-    f_i is the fraction of tokens routed to partition i (sums to K), P_i the mean router probability."""
+    f_i is the fraction of tokens routed to partition i (sums to K), P_i the mean router probability; the choice
+    is the top-K of the logits, or `chosen_index` [layers, B, T, K] where the caller has it already."""
     N = router_logits.shape[-1]
     logits = router_logits.reshape(router_logits.shape[0], -1, N)
     probs = torch.softmax(logits.float(), -1)
-    chosen = torch.zeros_like(probs).scatter_(-1, logits.topk(top_k, -1).indices, 1.0)
+    index = logits.topk(top_k, -1).indices if chosen_index is None else chosen_index.reshape(*logits.shape[:2], -1)
+    chosen = torch.zeros_like(probs).scatter_(-1, index, 1.0)
     if token_mask is None:
         usage, mean_prob = chosen.mean(1), probs.mean(1)
     else:
@@ -362,6 +379,7 @@ class SSEModelOutput(ModelOutput):
     past_key_values: SSECache | None = None
     balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
     partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
+    partition_choices: torch.LongTensor | None = None  # [num SSE layers, B, T, K] each token's top-K partitions
 
 
 @dataclass
@@ -371,6 +389,7 @@ class SSECausalLMOutput(ModelOutput):
     past_key_values: SSECache | None = None
     balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
     partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
+    partition_choices: torch.LongTensor | None = None  # [num SSE layers, B, T, K] each token's top-K partitions
 
 
 class SSEPreTrainedModel(PreTrainedModel):
@@ -444,29 +463,38 @@ class SSEModel(SSEPreTrainedModel):
                     past_key_values=past_key_values if past_len else None,
                     position_ids=position_ids if packable else None)
         router_logits = []
+        # [B, T, SSE layers, K] partitions to select instead of the router's top-K (partition replay; -1: its own)
+        routes = kwargs.pop("partition_routes", None)
+        sse_layer = 0
         # torch's non-reentrant checkpoint, as transformers sets it up by default, lets an SSE layer's recomputation
         # take the operator's tables and output from the first forward (kernels/checkpoint_replay.py).
         replays = checkpointed and kernels.CheckpointReplay.applies_to(self._gradient_checkpointing_func)
         for layer in self.layers:
+            bound = layer_kwargs
+            if routes is not None and layer.layer_type == SSE_LAYER:
+                bound = dict(layer_kwargs, route_index=routes[:, :, sse_layer])
+                sse_layer += 1
             if not checkpointed:
-                x, r = layer(x, **layer_kwargs)
+                x, r = layer(x, **bound)
             elif replays and layer.layer_type == SSE_LAYER:
                 replay = kernels.CheckpointReplay()
-                call = functools.partial(layer.__call__, **layer_kwargs, replay=replay)
+                call = functools.partial(layer.__call__, **bound, replay=replay)
                 x, r = self._gradient_checkpointing_func(call, x, context_fn=replay.contexts)
             else:
                 # The layer's keyword arguments bound as transformers' layers bind them: reentrant checkpoint takes
                 # none of its own but `preserve_rng_state`.
-                x, r = self._gradient_checkpointing_func(functools.partial(layer.__call__, **layer_kwargs), x)
+                x, r = self._gradient_checkpointing_func(functools.partial(layer.__call__, **bound), x)
             if r is not None:
                 router_logits.append(r)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
-        aux, usage = None, None
+        aux, usage, choices = None, None, None
         if router_logits:
-            aux, usage = balance_loss(torch.stack(router_logits), self.config.sse_top_k, layer_kwargs["token_mask"])
+            stacked = torch.stack(router_logits)
+            choices = stacked.detach().topk(self.config.sse_top_k, -1).indices
+            aux, usage = balance_loss(stacked, self.config.sse_top_k, layer_kwargs["token_mask"], choices)
         return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
-                              partition_usage=usage)
+                              partition_usage=usage, partition_choices=choices)
 
 
 class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
@@ -496,4 +524,5 @@ class SSEForCausalLM(SSEPreTrainedModel, GenerationMixin):
             if out.balance_loss is not None and self.config.sse_balance_loss_coef:
                 loss = loss + self.config.sse_balance_loss_coef * out.balance_loss
         return SSECausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                 balance_loss=out.balance_loss, partition_usage=out.partition_usage)
+                                 balance_loss=out.balance_loss, partition_usage=out.partition_usage,
+                                 partition_choices=out.partition_choices)

@@ -320,3 +320,26 @@ def test_ray_runtime_env_reaches_ray_init(monkeypatch):
                                         "worker_process_setup_hook": orchestrator.quiet_placement_group_cleaner}
     orchestrator.start_ray(load_config(REPO / "configs" / "tiny.yaml", [*env, "ray.address=head:6379"]))
     assert calls[-1] == {"address": "head:6379", "log_to_driver": True, "runtime_env": shipped}
+
+
+@pytest.mark.slow
+def test_grpo_with_partition_replay_logs_routing_health(tmp_path):
+    """grpo.partition_replay and grpo.route_flip_rate on: the rollout engine records routes, the trainer replays
+    them, and every step logs the flip rate and, per SSE layer, the usage entropy and modal set share, which the
+    report plots."""
+    out = sse_rl("run", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--set", "stages=[init,grpo]",
+                 "--set", "grpo.partition_replay=true", "--set", "grpo.route_flip_rate=true",
+                 *sum([["--set", s] for s in SHORT if s.startswith(("grpo.", "data.grpo"))], []))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "tiny"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    grpo = [m for m in metrics if m["stage"] == "grpo" and "reward" in m]
+    assert [m["step"] for m in grpo] == [1, 2, 3]
+    for m in grpo:
+        assert 0.0 <= m["routing/flip_rate"] <= 1.0
+        assert 0.0 < m["routing/modal_set_share/0"] <= 1.0 and m["routing/usage_entropy/0"] >= 0.0
+        # replayed routes: the trainer scores the sampled tokens as the engine does
+        assert 0 <= m["sampling/kl_rollout_trainer"] < 1e-4, m["sampling/kl_rollout_trainer"]
+    report = (run / "report.md").read_text()
+    for image in ("grpo_routing.png", "grpo_route_flips.png"):
+        assert image in report and (run / image).stat().st_size > 1000

@@ -221,14 +221,15 @@ def random_inputs(B, T, H, c, dv, N, shared, segments, dtype, device):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype", [
-    (1, 13, 4, 1, True, None, [0, 1, 1, 7, 13], True, F32),    # empty and length-1 segments
-    (2, 9, 8, 2, True, 5, None, True, F32),                    # row-sparse, empty partitions
-    (1, 6, 3, 3, False, None, None, False, F32),               # K = N, no shared partition
-    (1, 5, 1, 1, False, None, [0, 2, 5], True, F32),           # N = 1: plain GLA
-    (1, 7, 4, 2, True, 3, [0, 4, 7], True, BF16),              # bf16 activations
-], ids=["empty-and-length-1-segments", "row-sparse-batch-2", "k=n-no-shared", "n1-gla", "bf16"])
-def test_chunk_small_cases(device, impl, B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype):
+@pytest.mark.parametrize("B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype, replayed", [
+    (1, 13, 4, 1, True, None, [0, 1, 1, 7, 13], True, F32, False),  # empty and length-1 segments
+    (2, 9, 8, 2, True, 5, None, True, F32, False),                   # row-sparse, empty partitions
+    (1, 6, 3, 3, False, None, None, False, F32, False),              # K = N, no shared partition
+    (1, 5, 1, 1, False, None, [0, 2, 5], True, F32, False),          # N = 1: plain GLA
+    (1, 7, 4, 2, True, 3, [0, 4, 7], True, BF16, False),             # bf16 activations
+    (2, 11, 6, 2, True, None, None, True, F32, True),                # replayed routes, not the router's top-K
+], ids=["empty-and-length-1-segments", "row-sparse-batch-2", "k=n-no-shared", "n1-gla", "bf16", "replayed-routes"])
+def test_chunk_small_cases(device, impl, B, T, N, K, shared, row_topk, cu_seqlens, with_state, dtype, replayed):
     from kernels.sse import sse_reference
     if device == "cpu" and impl == "triton_indexed" and dtype == BF16:
         pytest.skip("Triton's interpreter gets bfloat16 tl.dot wrong (triton 3.9: errors ~1e10); cuda checks it")
@@ -238,6 +239,8 @@ def test_chunk_small_cases(device, impl, B, T, N, K, shared, row_topk, cu_seqlen
     if not with_state:
         ins["initial_state"] = None
     kw = dict(top_k=K, row_topk=row_topk, output_final_state=True, cu_seqlens=cu)
+    if replayed:  # a random K-subset per token: the kernels must route by it and weigh by the router's softmax
+        kw["route_index"] = torch.rand(B, T, N, device=device).argsort(-1)[..., :K]
     o, final = chunk_impl(impl, device)(**ins, **kw)
     ref_o, ref_final = sse_reference(**{n: None if x is None else x.double() for n, x in ins.items()}, **kw)
     do, dfinal = torch.randn_like(o, dtype=torch.float64), torch.randn_like(final, dtype=torch.float64)

@@ -126,6 +126,25 @@ def test_rollout_kl_estimates_the_kl_of_sampled_tokens():
     assert trl_seams.rollout_kl(sampler[tokens], trainer[tokens], torch.zeros_like(mask)) is None
 
 
+def test_partition_routes_seam():
+    """A `partition_routes` tensor in the dict `_generate_and_score_completions` returns reaches `compute_loss` with
+    its rows: TRL shuffles and splits the generation batch along the first dimension of every tensor; the
+    log-probability passes call the model on slices of the batch in order; prompts are left-padded and the
+    completion follows them (`aligned_routes`)."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+    batch = {"prompt_ids": torch.arange(6)[:, None], "partition_routes": torch.arange(6)[:, None, None, None]}
+    for part in split_tensor_dict(shuffle_sequence_dict(batch), 3):
+        assert torch.equal(part["partition_routes"].flatten(), part["prompt_ids"].flatten())
+    body = source(GRPOTrainer._generate_and_score_completions)
+    assert "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)" in body
+    assert 'padding_side="left"' in body and 'completion_mask, padding_value=0, padding_side="right"' in body
+    assert "split_tensor_dict(generation_batch" in source(GRPOTrainer._prepare_inputs)
+    logps = source(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "for start in range(0, input_ids.size(0), batch_size):" in logps
+    assert '{"input_ids": input_ids_batch, "attention_mask": attention_mask_batch}' in logps
+    assert parameters(GRPOTrainer.compute_loss) == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]
+
+
 def test_vllm_generation_seam():
     """VLLMGeneration takes the arguments the pipeline passes, calls `self._init_vllm()` from __init__, samples
     through `self.llm`, and reads `_llm_weights_sleeping`; `ensure_master_addr_port` exists."""

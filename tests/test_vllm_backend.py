@@ -48,6 +48,9 @@ CONFIGS = {
     # the Triton decode test: every decode feature on (K > 1, shared partition, row-sparse keys), and a hybrid, so
     # vLLM pads the state pages up to the attention page and the kernel gets a strided state cache
     "triton": dict(layer_types=[S, A], num_hidden_layers=2, sse_num_partitions=4, sse_top_k=2, sse_row_topk=8),
+    # partition replay: partitions 0 and 1 of every SSE layer have the same router row (`tie_router_rows`), so a
+    # trainer whose router is perturbed by a hair routes otherwise than the engine wherever those two lead
+    "routes": dict(layer_types=[S, A, S], num_hidden_layers=3, sse_num_partitions=4, sse_top_k=1),
 }
 COMMON = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
 ENGINES = {
@@ -64,6 +67,10 @@ ENGINES = {
     # the first, as on a CPU without it (a GPU engine's case)
     "n4k1_bf16": dict(COMMON, dtype="bfloat16", enforce_eager=True, hide_avx512_bf16=True),
     "n4k1_bf16_f32_states": dict(COMMON, dtype="bfloat16", enforce_eager=True, mamba_ssm_cache_dtype="float32"),
+    # records each request's partition routes (sse_model/vllm/routes.py); chunked prefill, so routes of a prompt
+    # come from several steps
+    "routes": dict(COMMON, enforce_eager=True, max_num_batched_tokens=32,
+                   additional_config={"sse_record_routes": True}),
 }
 CHECKPOINT_OF = {"n4k1_bf16": "n4k1", "n4k1_bf16_f32_states": "n4k1"}  # engines of another engine's checkpoint
 PROMPT_LENGTHS = (1, 5, 17, 40, 64, 121)
@@ -79,6 +86,7 @@ def _serve(read_fd: int, write_fd: int) -> None:
     from vllm.model_executor.model_loader.reload import meta
 
     from sse_model.vllm import model as vllm_model
+    from sse_model.vllm import seams
     from sse_model.vllm.plugin import register
     from sse_model.vllm.sync import logprob_parity, push_weights
 
@@ -134,14 +142,15 @@ def _serve(read_fd: int, write_fd: int) -> None:
             layer._recur = counting
         return [state_of(name, layer).is_contiguous() for layer in layers]
 
-    def generate(name, prompts, sampling):
+    def generate(name, prompts, sampling, routes=False):
         outs = engines[name].generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling),
                                       use_tqdm=False)
-        return [dict(num_cached_tokens=o.num_cached_tokens,
+        recorded = seams.take_routes(engines[name], [o.request_id for o in outs]) if routes else [None] * len(outs)
+        return [dict(num_cached_tokens=o.num_cached_tokens, routes=None if r is None else r.tolist(),
                      completions=[dict(token_ids=list(c.token_ids),
                                        logprobs=[lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)],
                                        top=[{t: x.logprob for t, x in lp.items()} for lp in c.logprobs or []])
-                                  for c in o.outputs]) for o in outs]
+                                  for c in o.outputs]) for o, r in zip(outs, recorded)]
 
     def push(name, blob, probe):
         tensors, params = load_tensors(blob), dict(twins[name].named_parameters())
@@ -289,7 +298,20 @@ class Worker:
 # ---------------------------------------------------------------------------------------------- fixtures
 def make_checkpoint(root: Path, name: str) -> Path:
     from tiny_checkpoints import save_checkpoint
-    return save_checkpoint(root / name, SSEConfig(**{**BASE, **CONFIGS[name]}), seed=len(name))
+    path = save_checkpoint(root / name, SSEConfig(**{**BASE, **CONFIGS[name]}), seed=len(name))
+    if name == "routes":
+        tie_router_rows(path)
+    return path
+
+
+def tie_router_rows(path: Path) -> None:
+    """Give partition 1 of every SSE layer partition 0's router row: their logits tie exactly."""
+    model = SSEForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.layer_type == SSE_LAYER:
+                layer.linear_attn.router.weight[1] = layer.linear_attn.router.weight[0]
+    model.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -894,3 +916,46 @@ def test_vllm_serve_answers_an_openai_completion(server):
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]), int(sys.argv[2]))
+
+
+# ---------------------------------------------------------------------------------------------- partition replay
+@torch.no_grad()
+def teacher_forced(model, prompt, completion, routes=None):
+    """(log-probabilities of the completion's tokens, the model's own top-K [T, SSE layers, K]) over prompt +
+    completion, with `routes` [T, SSE layers, K] replayed when given."""
+    ids = torch.tensor([prompt + completion])
+    out = model(ids, partition_routes=None if routes is None else routes[None])
+    logp = torch.log_softmax(out.logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0], out.partition_choices[:, 0].permute(1, 0, 2)
+
+
+def test_partition_replay_follows_the_engines_routes(worker, hf):
+    """The engine records every token's partitions per request; a trainer whose router ties break otherwise (a
+    perturbation of 1e-5) routes differently and scores the sampled tokens differently, unless it replays the
+    engine's routes: then its log-probabilities are the engine's within float32 rounding."""
+    trainer = copy.deepcopy(hf["routes"])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in trainer.model.layers:
+            if layer.layer_type == SSE_LAYER:
+                router = layer.linear_attn.router.weight
+                router[1] += 1e-5 * torch.randn(router.shape[1], generator=g)
+    prompts = prompts_for(trainer.config.vocab_size, lengths=(3, 20, 45), seed=1)
+    outs = worker("generate", worker.engine("routes"), prompts,
+                  dict(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, seed=3), True)
+    flips, worst_without, worst_with = 0, 0.0, 0.0
+    for prompt, out in zip(prompts, outs):
+        completion = out["completions"][0]
+        tokens = len(prompt) + len(completion["token_ids"])
+        routes = torch.tensor(out["routes"])
+        # every token the engine computed (all but the completion's last), for both SSE layers
+        assert routes.shape == (tokens - 1, 2, 1) and (routes >= 0).all()
+        routes = torch.cat([routes, torch.full((1, 2, 1), -1)])
+        engine = torch.tensor(completion["logprobs"])
+        own, choices = teacher_forced(trainer, prompt, completion["token_ids"])
+        flips += int((choices[:-1] != routes[:-1]).sum())
+        worst_without = max(worst_without, float((own - engine).abs().max()))
+        replayed, _ = teacher_forced(trainer, prompt, completion["token_ids"], routes)
+        worst_with = max(worst_with, float((replayed - engine).abs().max()))
+    assert flips > 0 and worst_without > 1e-2, (flips, worst_without)
+    assert worst_with < TOL, worst_with

@@ -357,3 +357,48 @@ def test_reload_weights_seam():
     weights = [("model.norm.weight", torch.ones(2))]
     seams.reload_weights(llm, weights)
     assert calls == [("reload_weights", dict(weights_iterator=weights, is_checkpoint_format=True))]
+
+
+def test_record_routes_per_request_seam():
+    """The V1 runner calls `_model_forward(input_ids=, positions=, ...)` once per step, after `_prepare_inputs` has
+    set `query_start_loc.np` for the step's requests `input_batch.req_ids`; the CPU runner keeps that method. The
+    patched forward files a recording model's step under those ids and positions."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from sse_model.vllm.routes import RouteRecorder
+
+    step = source(GPUModelRunner.execute_model)
+    assert "self._model_forward(" in step and "positions=positions" in step
+    assert "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens" in source(GPUModelRunner._prepare_inputs)
+    assert "_model_forward" not in vars(CPUModelRunner) and isinstance(vars(InputBatch)["req_ids"], property)
+    seams.record_routes_per_request()
+    assert GPUModelRunner._sse_records_routes
+
+    recorder = RouteRecorder(num_layers=1, top_k=1, max_tokens=8)
+    runner = SimpleNamespace(get_model=lambda: SimpleNamespace(route_recorder=recorder),
+                             query_start_loc=SimpleNamespace(np=np.array([0, 2, 3, 3])),
+                             input_batch=SimpleNamespace(num_reqs=2, req_ids=["a-1234abcd", "b-99999999", "old"]))
+    recorder.write(0, torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0]]))  # the step's 3 tokens' router logits
+    forward = seams._filing_routes(lambda self, **kwargs: "out")
+    assert forward(runner, input_ids=None, positions=torch.tensor([5, 6, 0])) == "out"
+    routes = recorder.take()
+    assert routes["a-1234abcd"].tolist() == [[[-1]]] * 5 + [[[1]], [[0]]]  # positions 0-4 computed elsewhere
+    assert routes["b-99999999"].tolist() == [[[1]]] and set(routes) == {"a-1234abcd", "b-99999999"}
+    assert recorder.take() == {}
+
+
+def test_take_routes_seam():
+    """The engine's request ids are the front end's, or it followed by "-" and a suffix."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert 'request.request_id = f"{request.external_req_id}-{random_uuid():.8}"' in source(InputProcessor)
+    table = np.zeros((3, 1, 1), dtype=np.int16)
+
+    class Engine:
+        def apply_model(self, func):  # vLLM's: the function on every worker's model
+            return [func(SimpleNamespace(route_recorder=SimpleNamespace(
+                take=lambda: {"7-0a1b2c3d": table, "8": table + 1})))]
+    routes = seams.take_routes(Engine(), ["8", "7", "9"])
+    assert routes[0].tolist() == (table + 1).tolist() and routes[1] is table and routes[2] is None

@@ -20,8 +20,8 @@ def _segment_bounds(B, T, cu_seqlens, device):
     return cu_seqlens.to(device=device, dtype=torch.long)
 
 
-def _prepare(q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk):
-    weights, index, topk_weight = route(router_logits, top_k)
+def _prepare(q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index):
+    weights, index, topk_weight = route(router_logits, top_k, route_index)
     keys, decay = softmax_keys(k_logits, log_decay, row_topk)
     shared = None
     if q_shared is not None:
@@ -32,12 +32,12 @@ def _prepare(q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_lo
 
 def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                      row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     gla=chunk_gla_torch):
+                     route_index=None, gla=chunk_gla_torch):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     scale = c**-0.5 if scale is None else scale
     q, keys, decay, _, index, topk_weight, shared = _prepare(
-        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk)
+        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index)
     P = N + (shared is not None)
     L, device = B * T, q.device
     bounds = _segment_bounds(B, T, cu_seqlens, device)
@@ -83,12 +83,12 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
 
 def sse_chunk_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                    row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                   gla=chunk_gla_torch):
+                   route_index=None, gla=chunk_gla_torch):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     scale = c**-0.5 if scale is None else scale
     q, keys, decay, weights, index, _, shared = _prepare(
-        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk)
+        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index)
     P = N + (shared is not None)
     selected = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, index, True)
     w = (weights * selected).to(q.dtype)[:, :, None, :, None]  # [B, T, 1, N, 1]

@@ -6,7 +6,8 @@ from kernels.sse.routing import route, softmax_keys
 
 
 def sse_reference(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
-                  row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+                  row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  route_index=None):
     B, T, H, c = q.shape
     N = router_logits.shape[-1]
     has_shared = q_shared is not None
@@ -20,7 +21,7 @@ def sse_reference(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     q, k_logits, v, log_decay, router_logits = map(f64, (q, k_logits, v, log_decay, router_logits))
     q_shared, k_shared_logits = f64(q_shared), f64(k_shared_logits)
 
-    weights, index, _ = route(router_logits, top_k)
+    weights, index, _ = route(router_logits, top_k, route_index)
     selected = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, index, True)
     keys, decay = softmax_keys(k_logits, log_decay, row_topk)
     if has_shared:

@@ -14,15 +14,28 @@ def log_decay_from_logits(decay_logits: torch.Tensor, normalizer: float) -> torc
     return F.logsigmoid(decay_logits.to(torch.promote_types(decay_logits.dtype, torch.float32))) / normalizer
 
 
-def route(router_logits: torch.Tensor, top_k: int):
+def route(router_logits: torch.Tensor, top_k: int, route_index: torch.Tensor | None = None):
     """Router weights softmax-ed over all N partitions, and the top-K partitions with their weights.
 
     The selected weights are not renormalised (docs/model.md), so the router gets gradients even at K = 1.
+    With `route_index` [..., K] the selection is those partitions (partition replay: another engine's choice)
+    instead of the top-K of the logits; the weights are still the softmax of these logits, so the router keeps
+    its gradient.
     Returns (weights [..., N], topk_index [..., K], topk_weight [..., K]).
     """
     weights = torch.softmax(router_logits.float() if router_logits.dtype != torch.float64 else router_logits, -1)
-    index = torch.topk(router_logits, top_k, dim=-1).indices
+    index = torch.topk(router_logits, top_k, dim=-1).indices if route_index is None else route_index.long()
     return weights, index, weights.gather(-1, index)
+
+
+def selection_scores(route_index: torch.Tensor, num_partitions: int) -> torch.Tensor:
+    """Scores [..., N] whose top-K, in order, is `route_index` [..., K]: K, K - 1, ..., 1 at the chosen partitions
+    and 0 elsewhere. For the kernels that take their top-K of a score tensor themselves (the Triton routing):
+    given these in place of the router logits, they select the replayed partitions."""
+    K = route_index.shape[-1]
+    ranks = torch.arange(K, 0, -1, dtype=torch.float32, device=route_index.device).expand(route_index.shape)
+    scores = torch.zeros(*route_index.shape[:-1], num_partitions, dtype=torch.float32, device=route_index.device)
+    return scores.scatter_(-1, route_index.long(), ranks)
 
 
 def softmax_keys(k_logits: torch.Tensor, log_decay: torch.Tensor, row_topk: int | None):

@@ -12,6 +12,7 @@ State layout [segments, H, N + shared, c, d_v] <-> the GLA's [segments * P, H, c
 """
 import torch
 
+from kernels.sse.routing import selection_scores
 from kernels.triton.expand import collect, expand
 from kernels.triton.routing import route_topk, route_varlen
 
@@ -22,7 +23,7 @@ def fla_chunk_gla(q, k, v, g, **kwargs):
 
 
 def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared, k_shared_logits, row_topk,
-                scale, initial_state, output_final_state, cu_seqlens, gla):
+                scale, initial_state, output_final_state, cu_seqlens, gla, route_index=None):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     shared = q_shared is not None
@@ -31,12 +32,13 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
     bounds = torch.arange(B + 1, device=device) * T if cu_seqlens is None else cu_seqlens
     num_segments = bounds.numel() - 1
     e = router_logits.reshape(L, N)
+    chosen = e if route_index is None else selection_scores(route_index.reshape(L, top_k), N)  # what routes
     if layout == "varlen":
-        routing = route_varlen(e, bounds, top_k, shared)
+        routing = route_varlen(chosen, bounds, top_k, shared)
         pos, gla_cu, part = routing.pos, routing.cu, routing.part
         gla_shape, state_shape = (1, L * (top_k + shared), H), (num_segments * P, H, c, dv)
     else:
-        idx = route_topk(e, top_k)
+        idx = route_topk(chosen, top_k)
         part = torch.full((L, P), -1, dtype=torch.int32, device=device)
         part.scatter_(1, idx.long(), idx)
         if shared:
@@ -63,15 +65,17 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
 
 def sse_triton_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                       row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      gla=fla_chunk_gla):
+                      route_index=None, gla=fla_chunk_gla):
     return _sse_triton("varlen", q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                        k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla,
+                       route_index=route_index)
 
 
 def sse_triton_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                     row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    gla=fla_chunk_gla):
+                    route_index=None, gla=fla_chunk_gla):
     return _sse_triton("mask", q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                        k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla,
+                       route_index=route_index)

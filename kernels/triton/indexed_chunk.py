@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels import saved_views
+from kernels.sse.routing import selection_scores
 from kernels.triton.common import cdiv, logsigmoid, pow2, router_softmax, softmax_keys, token_rows
 from kernels.triton.configs import launch_settings
 from kernels.triton.expand import _blocks, _collect_fwd_kernel, _expand_bwd_kernel, _warps
@@ -534,10 +535,11 @@ def _batch_bounds(B: int, T: int, device: torch.device) -> torch.Tensor:
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                        row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       decay_normalizer=None, replay=None, chunk_size=CHUNK):
+                       decay_normalizer=None, replay=None, route_index=None, chunk_size=CHUNK):
     """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
-    logits, and with `replay` (a `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's
-    tables and output (see there)."""
+    logits, with `replay` (a `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's
+    tables and output (see there), and with `route_index` [B, T, K] the tables route to those partitions (the
+    kernels still weigh them by the softmax of `router_logits`)."""
     B, T, H, c = q.shape
     scale = c**-0.5 if scale is None else scale
     # A caller that wants the final state gets it computed.
@@ -546,7 +548,8 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
         tables, o = slot.kept
     else:
         bounds = _batch_bounds(B, T, q.device) if cu_seqlens is None else cu_seqlens
-        tables = index_tables(router_logits, bounds, top_k, q_shared is not None, chunk_size)
+        chosen = router_logits if route_index is None else selection_scores(route_index, router_logits.shape[-1])
+        tables = index_tables(chosen, bounds, top_k, q_shared is not None, chunk_size)
     replayed = None if slot is None else (o,) if slot.kept is not None else ()
     o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
                                    tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replayed)

@@ -97,7 +97,8 @@ def run(cfg, run_dir, model_path) -> dict:
     trainer = SSEGRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset,
                              processing_class=tokenizer, callbacks=callbacks,
                              engine=engine_kwargs(cfg, model_path), parity_ids=parity_ids,
-                             parity_threshold=g.parity_threshold)
+                             parity_threshold=g.parity_threshold, partition_replay=g.partition_replay,
+                             route_flip_rate=g.route_flip_rate)
     for callback in callbacks:
         if isinstance(callback, PeriodicEval):
             callback.trainer = trainer

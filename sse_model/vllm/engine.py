@@ -27,12 +27,14 @@ colocated GRPO engine (vLLM's external launcher inside the trainer's process, pi
 its weight pushes, parity probe and seeded sampling run on V2 (docs/pipeline.md, "On a GPU").
 """
 import logging
+import os
 
 import torch
 
 from kernels import cache_rows
 from sse_model.configuration_sse import SSE_LAYER
 from sse_model.vllm import seams
+from sse_model.vllm.routes import records_routes
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,10 @@ def verify_and_update_config(vllm_config) -> None:
     from vllm.platforms import current_platform
     if not current_platform.is_cuda_alike():  # the CPU build runs no CUDA graphs and sizes its cache itself
         return
-    if seams.prefer_v2_model_runner():
+    if records_routes(vllm_config):  # the runner hook that files routes per request is the V1 runner's
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        logger.info("SSE-H: route recording runs on vLLM's V1 model runner")
+    elif seams.prefer_v2_model_runner():
         logger.info("SSE-H: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 keeps V1)")
     fit = sequences_that_fit(vllm_config, current_platform.get_device_total_memory())
     scheduler = vllm_config.scheduler_config

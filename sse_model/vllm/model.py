@@ -47,6 +47,7 @@ from sse_model import sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 from sse_model.vllm import seams
 from sse_model.vllm.engine import state_dtype
+from sse_model.vllm.routes import RouteRecorder, records_routes
 from sse_model.vllm.seams import SSEStateBackend, SSEStateMetadata, SSEStatesSpec
 
 # Prefills run in groups of sequences whose float32 states take at most PREFILL_STATES_BYTES; without a bound a step
@@ -310,6 +311,9 @@ class SSELinearAttention(nn.Module):
         self.state_numel = math.prod(sse_state_shape(config, tp, torch.float32)[1:])  # its float32 states of a slot
         self.prefill_group = max(1, PREFILL_STATES_BYTES // (PREFILL_STATE_COPIES * 4 * self.state_numel))
         self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # With route recording (`sse_model.vllm.routes`): the engine's recorder and this layer's index among the
+        # SSE layers, set by `SSEForCausalLM`.
+        self.route_recorder, self.route_layer = None, None
 
         # The custom op finds this layer by name in the static forward context.
         context = get_current_vllm_config().compilation_config.static_forward_context
@@ -357,6 +361,8 @@ class SSELinearAttention(nn.Module):
             return t.view(num_tokens, self.num_heads, -1)
         inputs = dict(q=heads(q), k_logits=heads(k), v=heads(v), log_decay=heads(decay),
                       router_logits=router.view(torch.float32))
+        if self.route_recorder is not None:
+            self.route_recorder.write(self.route_layer, inputs["router_logits"])
         if self.config.sse_shared_partition:  # with low-rank terms, their sums with q and k are taken later
             inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora if self.lora else (q, k))
         self._recur(inputs, metadata, state, output)
@@ -466,6 +472,13 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self._serving = False
+        self.route_recorder = None
+        if records_routes(vllm_config):
+            sse = [m for m in self.modules() if isinstance(m, SSELinearAttention)]
+            self.route_recorder = RouteRecorder(len(sse), config.sse_top_k,
+                                                vllm_config.scheduler_config.max_num_batched_tokens)
+            for index, layer in enumerate(sse):
+                layer.route_recorder, layer.route_layer = self.route_recorder, index
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

@@ -45,3 +45,4 @@ def register() -> None:
     if current_platform.is_cpu():
         seams.rewind_seeded_generators_on_cpu()
     seams.sampler_without_flashinfer()
+    seams.record_routes_per_request()  # a no-op for engines without route recording (sse_model/vllm/routes.py)

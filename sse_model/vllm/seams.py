@@ -43,6 +43,14 @@ Seams, and what each relies on:
 - `sampler_without_flashinfer` [plugin]: `VLLM_USE_FLASHINFER_SAMPLER`, which 0.25's sampler reads at import.
 - `rewind_seeded_generators_on_cpu` [plugin, CPU]: `CPUModelRunner._sample` runs before `_bookkeeping_sync`, which
   rewinds the seeded generators of `discard_request_mask`'s requests with `gen.set_offset(gen.get_offset() - 4)`.
+- `record_routes_per_request` [plugin, with route recording]: the V1 model runner (GPU and CPU) calls
+  `_model_forward(input_ids=, positions=, ...)` once per step, with `self.input_batch.req_ids` and
+  `self.query_start_loc.np` ([requests + 1] token offsets) describing that step's batch, its tokens in that order,
+  and `get_model()` the model.
+- `take_routes` [after generate, with route recording]: engine request ids are the front end's request id, or it
+  followed by "-" and a suffix (0.32 adds a random one). (It reaches the model through `LLM.apply_model`, public
+  API, which for an engine in another process sends the function pickled: vLLM allows that only with
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1; GRPO's colocated engine runs in-process.)
 - `in_layerwise_reload` [`SSEForCausalLM.load_weights`]: `get_layerwise_info(model).can_load()`.
 - `reload_weights` [`sync.push_weights`]: the workers' `reload_weights(weights_iterator=, is_checkpoint_format=)`.
 """
@@ -341,6 +349,61 @@ def rewind_seeded_generators_on_cpu() -> None:
 
     CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     CPUModelRunner._sse_restores_generators = True
+
+
+# ---------------------------------------------------------------------------------------------- partition routes
+# How the routes each request's tokens took get back to the caller (`sse_model.vllm.routes`). The choice: the model
+# writes them into a step buffer on the device, the model runner's per-step hook below files them under the step's
+# request ids, and the caller takes them after generate through `LLM.apply_model`. vLLM's own per-token extra output,
+# the routed-experts return of MoE models (`enable_return_routed_experts`), would carry them in the RequestOutput,
+# but it is built for FusedMoE routers: it sizes its buffers from MoE fields of the config (experts, experts per
+# token, every layer), binds to MoE router classes, and is a different mechanism in each release (a shared-memory
+# buffer keyed by KV slot in 0.25, an auxiliary-output connector in 0.32). A forward never sees request ids, and
+# state slots are reused within one generate, so the request ids come from the runner, once per step, on the host.
+
+def record_routes_per_request() -> None:
+    """Patch the V1 model runner (GPU and CPU) so that after each step's forward a model with a route recorder
+    (`SSEForCausalLM.route_recorder`) is told which request each of the step's tokens belongs to, and at which
+    positions: `recorder.end_step(request ids, token offsets, positions)`. Host lists the runner holds anyway and
+    device copies: no wait for the device. A model without a recorder costs an attribute lookup a step. vLLM's V2
+    runner has neither field, so the engine hook keeps V1 for an engine that records
+    (`engine.verify_and_update_config`). Patched once per process. vLLM 0.25, 0.32 (V1 runner)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_sse_records_routes", False):
+        return
+    GPUModelRunner._model_forward = _filing_routes(GPUModelRunner._model_forward)
+    GPUModelRunner._sse_records_routes = True
+
+
+def _filing_routes(model_forward):
+    """The runner's `model_forward`, followed by the recorder's `end_step` for the step it ran."""
+    def _model_forward(self, *args, **kwargs):
+        out = model_forward(self, *args, **kwargs)
+        recorder = getattr(self.get_model(), "route_recorder", None)
+        if recorder is not None:
+            num_requests = self.input_batch.num_reqs
+            recorder.end_step(self.input_batch.req_ids[:num_requests], self.query_start_loc.np[:num_requests + 1],
+                              kwargs["positions"])
+        return out
+    return _model_forward
+
+
+def _take_model_routes(model) -> dict:
+    recorder = getattr(model, "route_recorder", None)
+    return {} if recorder is None else recorder.take()
+
+
+def take_routes(llm, request_ids: list[str]) -> list:
+    """The routes [positions, SSE layers, K] the engine recorded for each of `request_ids` (the front end's ids,
+    `RequestOutput.request_id`), None for a request it has none of; every recorded route is forgotten. One
+    tensor-parallel rank's record is enough: every rank routes with the same logits."""
+    recorded = llm.apply_model(_take_model_routes)[0]
+    by_front_end_id = {}
+    for engine_id, routes in recorded.items():
+        by_front_end_id[engine_id] = routes
+        by_front_end_id.setdefault(engine_id.rsplit("-", 1)[0], routes)
+    return [by_front_end_id.get(request) for request in request_ids]
 
 
 # ---------------------------------------------------------------------------------------------- weights
