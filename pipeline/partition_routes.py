@@ -46,23 +46,33 @@ def route_flips(choices: torch.Tensor, routes: torch.Tensor, mask: torch.Tensor 
     return (differ & valid).sum((1, 2)), valid.sum((1, 2))
 
 
-def routing_health(usage: torch.Tensor, choices: torch.Tensor, num_partitions: int,
-                   mask: torch.Tensor | None) -> dict[str, float]:
+def partition_set_counts(choices: torch.Tensor, num_partitions: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """[L, N**K]: per SSE layer, how many tokens chose each set of K partitions (`choices` [L, B, T, K], the tokens
+    `mask` [B, T] keeps), counted on the device without a host synchronisation, so it can run on every training
+    forward and be read once per log."""
+    L, K = choices.shape[0], choices.shape[-1]
+    sets = num_partitions ** K
+    powers = num_partitions ** torch.arange(K, device=choices.device)
+    codes = (choices.sort(-1).values * powers).sum(-1)  # one integer per set of partitions: [L, B, T]
+    codes = codes + sets * torch.arange(L, device=codes.device).view(L, 1, 1)
+    if mask is not None:
+        codes = codes[:, mask.bool()]
+    counts = torch.zeros(L * sets, dtype=torch.long, device=codes.device)
+    return counts.index_add_(0, codes.flatten(), torch.ones_like(codes.flatten())).view(L, sets)
+
+
+def routing_health(usage: torch.Tensor, set_counts: torch.Tensor) -> dict[str, float]:
     """Per SSE layer: the entropy (nats) of partition usage (`usage` [L, N], fractions of tokens summing to K,
     normalised to a distribution: log N is uniform, 0 one partition for everything) and the share of tokens whose
-    set of K partitions is the layer's most common set (`choices` [L, B, T, K] over `mask` [B, T]; a router that
+    set of K partitions is the layer's most common set (`set_counts` from `partition_set_counts`; a router that
     collapses onto one set takes it to 1)."""
-    out = {}
     p = usage.float() / usage.float().sum(-1, keepdim=True).clamp(min=1e-12)
     entropy = -(p * p.clamp(min=1e-12).log()).sum(-1)
-    powers = num_partitions ** torch.arange(choices.shape[-1], device=choices.device)
-    codes = (choices.sort(-1).values * powers).sum(-1)  # one integer per set of partitions
-    keep = None if mask is None else mask.bool()
-    for layer in range(codes.shape[0]):
-        code = codes[layer] if keep is None else codes[layer][keep]
-        modal = torch.unique(code, return_counts=True)[1].max() / max(code.numel(), 1) if code.numel() else 0.0
+    modal = set_counts.max(-1).values / set_counts.sum(-1).clamp(min=1)
+    out = {}
+    for layer in range(usage.shape[0]):
         out[f"routing/usage_entropy/{layer}"] = round(float(entropy[layer]), 4)
-        out[f"routing/modal_set_share/{layer}"] = round(float(modal), 4)
+        out[f"routing/modal_set_share/{layer}"] = round(float(modal[layer]), 4)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 from pipeline.faults import fault_point
-from pipeline.partition_routes import routing_health
+from pipeline.partition_routes import partition_set_counts, routing_health
 from pipeline.rundir import CHECKPOINT, RunDir, latest_checkpoint
 from sse_model.hub_code import save_model_code
 from tasks.files import replace_dir
@@ -30,7 +30,7 @@ class StageCallback(TrainerCallback):
     def __init__(self, run: RunDir, stage: str, model=None):
         self.run, self.stage = run, stage
         self._attempt = {}
-        self._usage, self._balance, self._health, self._count = 0.0, 0.0, {}, 0
+        self._usage, self._balance, self._sets, self._count = 0.0, 0.0, 0, 0
         if model is not None:  # the backbone: TRL's fused LM head calls it directly, bypassing the model's forward
             model.base_model.register_forward_hook(self._record_routing, with_kwargs=True)
 
@@ -38,11 +38,11 @@ class StageCallback(TrainerCallback):
         usage = getattr(output, "partition_usage", None)
         if usage is None or not torch.is_grad_enabled():  # count training forwards only, not no-grad scoring
             return
-        self._usage = self._usage + usage.detach().float().cpu()
-        self._balance += float(output.balance_loss.detach())
-        health = routing_health(usage.detach(), output.partition_choices, module.config.sse_num_partitions,
-                                kwargs.get("attention_mask"))
-        self._health = {name: self._health.get(name, 0.0) + value for name, value in health.items()}
+        # Summed on the device and read once per log: a host read per forward would stall a step the host bounds
+        self._usage = self._usage + usage.detach().float()
+        self._balance = self._balance + output.balance_loss.detach().float()
+        self._sets = self._sets + partition_set_counts(output.partition_choices, module.config.sse_num_partitions,
+                                                       kwargs.get("attention_mask"))
         self._count += 1
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -65,11 +65,12 @@ class StageCallback(TrainerCallback):
         clean = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         clean.update(gpu_memory() | update_time(clean))
         if self._count:
-            clean["balance_loss"] = self._balance / self._count
-            clean.update({name: round(value / self._count, 4) for name, value in self._health.items()})
-            for layer, row in enumerate((self._usage / self._count).tolist()):
+            usage = (self._usage / self._count).cpu()
+            clean["balance_loss"] = float(self._balance) / self._count
+            clean.update(routing_health(usage, self._sets.cpu()))
+            for layer, row in enumerate(usage.tolist()):
                 clean.update({f"partition_usage/{layer}/{p}": round(u, 4) for p, u in enumerate(row)})
-            self._usage, self._balance, self._health, self._count = 0.0, 0.0, {}, 0
+            self._usage, self._balance, self._sets, self._count = 0.0, 0.0, 0, 0
         self.run.log_metrics(self.stage, state.global_step, clean)
 
 

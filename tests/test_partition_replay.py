@@ -143,10 +143,13 @@ def test_route_flips_compare_sets_over_routed_kept_tokens():
 
 
 def test_routing_health_entropy_and_modal_set_share():
-    from pipeline.partition_routes import routing_health
+    from pipeline.partition_routes import partition_set_counts, routing_health
     usage = torch.tensor([[0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 0.0, 0.0]])  # K = 2: uniform; one pair
     choices = torch.tensor([[[[0, 1], [1, 0], [2, 3], [0, 1]]], [[[0, 1]] * 4]])  # [L=2, B=1, T=4, K=2]
-    health = routing_health(usage, choices, 4, torch.tensor([[1, 1, 1, 0]]))
+    counts = partition_set_counts(choices, 4, torch.tensor([[1, 1, 1, 0]]))
+    assert counts.shape == (2, 16) and counts.sum(-1).tolist() == [3, 3]
+    # counts add up over forwards: a second forward of the same choices keeps the shares
+    health = routing_health(usage, counts + partition_set_counts(choices, 4, torch.tensor([[1, 1, 1, 0]])))
     assert health["routing/usage_entropy/0"] == pytest.approx(math.log(4), abs=1e-4)
     assert health["routing/usage_entropy/1"] == pytest.approx(math.log(2), abs=1e-4)
     assert health["routing/modal_set_share/0"] == pytest.approx(2 / 3, abs=1e-4)  # {0, 1} twice of 3 kept
