@@ -35,7 +35,8 @@ Seams (stage in brackets), and what each relies on:
   `llm.wake_up(tags=["kv_cache"])`, generates and sends the engine back to sleep (level 2).
 - `ShardedStateMixin` [sft, grpo, only with `trainer.sharding: fsdp`]: transformers builds accelerate's FSDP plugin
   from `args.fsdp_plugin_args` in `create_accelerator_and_postprocess`, which sets `self.is_fsdp_enabled`; accelerate
-  drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead.
+  drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead;
+  `AcceleratorState.__init__` copies `PartialState._shared_state` (its `distributed_type`) over its own.
 - `SSEVLLMGeneration.sync_weights` [grpo]: `VLLMGeneration._iter_named_params()` yields the trainer's parameters one
   at a time, gathered in full under FSDP2 (`full_tensor()`) and named as vLLM expects; every rank must iterate it.
 - `set_logprob_chunks` [sft, grpo]: TRL's fused LM head (`add_fused_lm_head`, which SFTTrainer and GRPOTrainer install
@@ -53,6 +54,7 @@ from pathlib import Path
 import torch
 import trl.kernels.chunked_logprob
 import trl.trainer.utils
+from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers.trainer_utils import rotate_checkpoints
 from trl.generation.vllm_generation import VLLMGeneration
@@ -235,6 +237,10 @@ class ShardedStateMixin:
             if state.mixed_precision != "no":  # as accelerate does for a GPU
                 plugin.set_mixed_precision(state.mixed_precision)
             state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+            # Every later `AcceleratorState()` copies PartialState's shared state over its own, distributed_type
+            # included: GRPOTrainer's `set_seed(..., device_specific=True)` makes one after this, and its model was
+            # then wrapped in DDP, not sharded. Both say FSDP, as accelerate's own GPU set-up leaves them.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.is_fsdp_enabled = True
 
 
