@@ -149,3 +149,35 @@ def test_push_gathers_full_parameters_one_at_a_time(runs):
         for name, tensor in r["pushed"]:
             assert torch.equal(tensor, r["weights"][name]), name  # the full parameter, not the rank's shard
     torch.testing.assert_close(sharded[0]["weights"], sharded[1]["weights"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("distributed_type", ["FSDP", "MULTI_CPU"])  # as accelerate leaves a GPU rank, a CPU rank
+def test_sharded_gradients_are_reduced_in_float32_under_bf16(distributed_type):
+    """bf16 gives FSDP2 bfloat16 gathered parameters; the gradients are still summed over the ranks in float32."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from pipeline.trl_seams import ShardedStateMixin
+
+    class Trainer:
+        def create_accelerator_and_postprocess(self):
+            plugin = None
+            if distributed_type == "FSDP":
+                plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                plugin.set_mixed_precision("bf16")
+            state = types.SimpleNamespace(distributed_type=DistributedType[distributed_type], fsdp_plugin=plugin,
+                                          mixed_precision="bf16")
+            self.accelerator = types.SimpleNamespace(state=state)
+
+    class Sharded(ShardedStateMixin, Trainer):
+        args = types.SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2})
+
+    shared = dict(PartialState._shared_state)
+    try:
+        trainer = Sharded()
+        trainer.create_accelerator_and_postprocess()
+    finally:
+        PartialState._shared_state.clear()
+        PartialState._shared_state.update(shared)
+    policy = trainer.accelerator.state.fsdp_plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

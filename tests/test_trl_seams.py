@@ -229,6 +229,7 @@ def test_sharded_state_seam(trainer):
     `set_seed(..., device_specific=True)`) copies PartialState's `distributed_type` over its own, so the mixin sets
     both."""
     from accelerate import state
+    from accelerate.utils import fsdp_utils
 
     create = source(Trainer.create_accelerator_and_postprocess)
     assert "self.args.fsdp_plugin_args" in create
@@ -237,6 +238,7 @@ def test_sharded_state_seam(trainer):
         "self.distributed_type = DistributedType.FSDP")[0].rsplit("elif self.distributed_type in [", 1)[1]
     assert trainer.create_accelerator_and_postprocess is Trainer.create_accelerator_and_postprocess
     assert "self.__dict__.update(PartialState._shared_state)" in source(state.AcceleratorState.__init__)
+    assert '"mp_policy": fsdp2_plugin.mixed_precision_policy' in source(fsdp_utils.fsdp2_prepare_model)
 
 
 def test_push_iterator_seam():
