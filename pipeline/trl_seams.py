@@ -40,7 +40,10 @@ Seams (stage in brackets), and what each relies on:
   `llm.wake_up(tags=["kv_cache"])`, generates and sends the engine back to sleep (level 2).
 - `ShardedStateMixin` [sft, grpo, only with `trainer.sharding: fsdp`]: transformers builds accelerate's FSDP plugin
   from `args.fsdp_plugin_args` in `create_accelerator_and_postprocess`, which sets `self.is_fsdp_enabled`; accelerate
-  drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead.
+  drops the plugin on CPU ranks (`DistributedType.MULTI_CPU`) and would wrap the model in DDP instead;
+  `AcceleratorState.__init__` copies `PartialState._shared_state` (its `distributed_type`) over its own; accelerate
+  sets the plugin's `mixed_precision_policy` (FSDP2's `MixedPrecisionPolicy`) before, and `fully_shard` takes it
+  when the trainer prepares the model, after.
 - `SSEVLLMGeneration.sync_weights` [grpo]: `VLLMGeneration._iter_named_params()` yields the trainer's parameters one
   at a time, gathered in full under FSDP2 (`full_tensor()`) and named as vLLM expects; every rank must iterate it.
 - `set_logprob_chunks` [sft, grpo]: TRL's fused LM head (`add_fused_lm_head`, which SFTTrainer and GRPOTrainer install
@@ -49,6 +52,7 @@ Seams (stage in brackets), and what each relies on:
 - `log_train_metric` [grpo]: `GRPOTrainer._metrics["train"][name]` lists are averaged into the next log.
 - `mark_weights_loaded` [grpo, periodic eval]: `GRPOTrainer._last_loaded_step`.
 """
+import dataclasses
 import math
 import os
 import shutil
@@ -58,6 +62,7 @@ from pathlib import Path
 import torch
 import trl.kernels.chunked_logprob
 import trl.trainer.utils
+from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers.trainer_utils import rotate_checkpoints
 from trl.generation.vllm_generation import VLLMGeneration
@@ -232,17 +237,31 @@ class ShardedStateMixin:
     `pipeline.training.sharding_args`) on CPU ranks as on GPUs. Accelerate enables its FSDP plugin for GPU-like
     devices only; on CPU gloo ranks it would silently fall back to DDP (every rank the whole state). FSDP2 itself
     runs on gloo, so the plugin is put back and the trainer prepares the model as it does on GPUs: what the
-    multi-rank CPU tests check is the code path of the GPU run. Without `fsdp` in the arguments nothing changes."""
+    multi-rank CPU tests check is the code path of the GPU run. Without `fsdp` in the arguments nothing changes.
+
+    With bf16 (`model.dtype: bfloat16`), accelerate gives FSDP2 bfloat16 for the gathered parameters and for the
+    gradient reduce-scatter alike; the gradients are reduced in float32 here instead, as DDP all-reduces the float32
+    gradients of float32 master weights (and as torchtitan and verl reduce by default): a bfloat16 sum over the ranks
+    would round each step's gradient by more the more ranks there are."""
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
-        if self.args.fsdp_plugin_args is not None and state.distributed_type == DistributedType.MULTI_CPU:
+        if self.args.fsdp_plugin_args is None:
+            return
+        if state.distributed_type == DistributedType.MULTI_CPU:
             plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
             if state.mixed_precision != "no":  # as accelerate does for a GPU
                 plugin.set_mixed_precision(state.mixed_precision)
             state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+            # Every later `AcceleratorState()` copies PartialState's shared state over its own, distributed_type
+            # included: GRPOTrainer's `set_seed(..., device_specific=True)` makes one after this, and its model was
+            # then wrapped in DDP, not sharded. Both say FSDP, as accelerate's own GPU set-up leaves them.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.is_fsdp_enabled = True
+        policy = state.fsdp_plugin.mixed_precision_policy  # FSDP2 reduces in param_dtype without a reduce_dtype
+        if policy is not None and (policy.reduce_dtype or policy.param_dtype) not in (None, torch.float32):
+            state.fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def set_logprob_chunks(tokens: int, vocab: int) -> None:

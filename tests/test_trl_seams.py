@@ -244,8 +244,11 @@ def test_token_weighted_loss_seam():
 def test_sharded_state_seam(trainer):
     """transformers builds accelerate's FSDP plugin from `args.fsdp_plugin_args` in
     `create_accelerator_and_postprocess` and reads `is_fsdp_enabled` from the state; accelerate enables FSDP for
-    GPU-like devices only, so CPU ranks (MULTI_CPU) need the mixin."""
+    GPU-like devices only, so CPU ranks (MULTI_CPU) need the mixin. A later `AcceleratorState()` (GRPOTrainer's
+    `set_seed(..., device_specific=True)`) copies PartialState's `distributed_type` over its own, so the mixin sets
+    both."""
     from accelerate import state
+    from accelerate.utils import fsdp_utils
 
     create = source(Trainer.create_accelerator_and_postprocess)
     assert "self.args.fsdp_plugin_args" in create
@@ -253,6 +256,8 @@ def test_sharded_state_seam(trainer):
     assert "DistributedType.MULTI_CPU" not in source(state.AcceleratorState.__init__).split(
         "self.distributed_type = DistributedType.FSDP")[0].rsplit("elif self.distributed_type in [", 1)[1]
     assert trainer.create_accelerator_and_postprocess is Trainer.create_accelerator_and_postprocess
+    assert "self.__dict__.update(PartialState._shared_state)" in source(state.AcceleratorState.__init__)
+    assert '"mp_policy": fsdp2_plugin.mixed_precision_policy' in source(fsdp_utils.fsdp2_prepare_model)
 
 
 def test_push_iterator_seam():
