@@ -112,6 +112,12 @@ class MergedColumnLinear(MergedColumnParallelLinear):
         sizes = sizes[:len(sizes) - replicated] + [size * tp for size in sizes[len(sizes) - replicated:]]
         super().__init__(input_size, sizes, bias=any(biased), prefix=prefix)
 
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None):
+        """vLLM's loader (biases load with it), taking part -1 as the last too."""
+        if loaded_shard_id is not None:
+            loaded_shard_id %= len(self.output_sizes)
+        super().weight_loader(param, loaded_weight, loaded_shard_id)
+
     def weight_loader_v2(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
         """The weight's loader (vLLM loads the bias with `weight_loader`)."""
         shard = loaded_shard_id % len(self.output_sizes)
