@@ -42,6 +42,9 @@ IMPLEMENTATIONS = {
 TAKES_DECAY_LOGITS = {"triton_indexed"}
 # The paths whose checkpoint recomputation can replay the first forward (`replay`); the others compute again.
 TAKES_REPLAY = {"triton_indexed"}
+# The paths that take a `read_top_k` other than top_k (the authors' num_reader != num_writer); the Triton kernels
+# read and write the same K partitions.
+TAKES_READ_TOP_K = {"reference", "chunk_torch_varlen", "chunk_torch_mask"}
 DECODE_IMPLEMENTATIONS = {"torch": sse_decode_torch, "triton": _lazy("decode", "sse_decode_triton")}
 READ_STATES_IMPLEMENTATIONS = {"torch": read_states_torch,
                                "triton": _lazy("state_cache", "read_states_triton")}
@@ -52,16 +55,18 @@ RMS_NORM_IMPLEMENTATIONS = {"torch": rms_norm_torch, "triton": _lazy("norm_gate"
 
 
 def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
-                  initial_state, cu_seqlens, route_index=None):
+                  initial_state, cu_seqlens, log_decay_shared=None, read_top_k=None, route_index=None):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, c], got shape {tuple(q.shape)}")
     B, T, H, c = q.shape
     for name, x in (("k_logits", k_logits), ("log_decay", log_decay), ("q_shared", q_shared),
-                    ("k_shared_logits", k_shared_logits)):
+                    ("k_shared_logits", k_shared_logits), ("log_decay_shared", log_decay_shared)):
         if x is not None and x.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
     if (q_shared is None) != (k_shared_logits is None):
         raise ValueError("q_shared and k_shared_logits go together: pass both or neither")
+    if log_decay_shared is not None and q_shared is None:
+        raise ValueError("log_decay_shared is the shared partition's: it needs q_shared and k_shared_logits")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, d_v] with B, T, H = {B, T, H}, got {tuple(v.shape)}")
     if router_logits.dim() != 3 or router_logits.shape[:2] != q.shape[:2]:
@@ -69,6 +74,8 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
     N = router_logits.shape[-1]
     if not 1 <= top_k <= N:
         raise ValueError(f"top_k must be in [1, N={N}], got {top_k}")
+    if read_top_k is not None and not 1 <= read_top_k <= N:
+        raise ValueError(f"read_top_k must be in [1, N={N}] or None, got {read_top_k}")
     if route_index is not None and (tuple(route_index.shape) != (B, T, top_k) or route_index.is_floating_point()):
         raise ValueError(f"route_index must be integer [B, T, top_k] = {(B, T, top_k)}, got {route_index.dtype} "
                          f"{tuple(route_index.shape)}")
@@ -77,6 +84,9 @@ def _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_s
     if route_index is not None and route_index.device.type == "cpu" and route_index.numel() and not (
             0 <= int(route_index.min()) and int(route_index.max()) < N):
         raise ValueError(f"route_index holds partitions outside [0, N={N})")
+    if route_index is not None and read_top_k not in (None, top_k):
+        raise ValueError("route_index (partition replay) replays the top_k partitions a token writes; it cannot be "
+                         "combined with read_top_k != top_k")
     if row_topk is not None and not 1 <= row_topk <= c:
         raise ValueError(f"row_topk must be in [1, c={c}], got {row_topk}")
     if cu_seqlens is not None and B != 1:
@@ -114,7 +124,8 @@ def pick_implementation(device: torch.device, top_k: int | None = None, num_part
 
 def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                   row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  decay_normalizer=None, replay=None, route_index=None, impl="auto"):
+                  decay_normalizer=None, replay=None, log_decay_shared=None, read_top_k=None, route_index=None,
+                  impl="auto"):
     """SSE over whole sequences (docs/model.md).
 
     q, k_logits, log_decay, q_shared, k_shared_logits: [B, T, H, c]; v: [B, T, H, d_v]; router_logits: [B, T, N].
@@ -128,21 +139,36 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
     With `route_index` [B, T, K] (integer), each token's selected partitions are those instead of the top-K of its
     router logits (partition replay, docs/pipeline.md): only the discrete choice is replayed, the selected
     partitions are still weighted by the softmax of `router_logits`, so the router keeps its gradient.
+    The SSE authors' layer (docs/model.md, "The authors' layer"): `log_decay_shared` [B, T, H, c] is the shared
+    partition's own log-decay (decay logits with `decay_normalizer`; None: it decays as the routed ones), and
+    `read_top_k` the partitions each token reads when they are not the `top_k` it writes (torch paths only,
+    TAKES_READ_TOP_K).
     Returns (o [B, T, H, d_v], final_state [B or segments, H, N + shared, c, d_v] or None), shared partition last.
     """
     _check_shapes(q, k_logits, v, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk,
-                  initial_state, cu_seqlens, route_index)
+                  initial_state, cu_seqlens, log_decay_shared, read_top_k, route_index)
+    reads_differ = read_top_k is not None and read_top_k != top_k
     if impl == "auto":
         impl = pick_implementation(q.device, top_k, router_logits.shape[-1])
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown SSE implementation {impl!r}; known: {sorted(IMPLEMENTATIONS)} or 'auto'")
+    if reads_differ and impl not in TAKES_READ_TOP_K:
+        raise ValueError(f"SSE implementation {impl!r} reads the partitions it writes: read_top_k={read_top_k} != "
+                         f"top_k={top_k} (the authors' num_reader != num_writer) needs one of "
+                         f"{sorted(TAKES_READ_TOP_K)}")
     fused = {}
     if decay_normalizer is not None and impl in TAKES_DECAY_LOGITS:
         fused["decay_normalizer"] = decay_normalizer
     elif decay_normalizer is not None:
         log_decay = log_decay_from_logits(log_decay, decay_normalizer)
+        if log_decay_shared is not None:
+            log_decay_shared = log_decay_from_logits(log_decay_shared, decay_normalizer)
     if replay is not None and impl in TAKES_REPLAY:
         fused["replay"] = replay
+    if log_decay_shared is not None:
+        fused["log_decay_shared"] = log_decay_shared
+    if reads_differ:
+        fused["read_top_k"] = read_top_k
     if route_index is not None:
         fused["route_index"] = route_index
     return IMPLEMENTATIONS[impl](q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
@@ -153,15 +179,22 @@ def sse_attention(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=N
 
 def sse_decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None, shared_lora=False,
-               impl="auto"):
+               log_decay_shared=None, read_top_k=None, impl="auto"):
     """One token per sequence; updates rows `slot_ids` of `state` [num_slots, H, N + shared, c, d_v] in place.
     Returns o [B, H, d_v], written into `out` [B, H, d_v] when given (the Triton kernel writes it directly).
     With `decay_normalizer`, `log_decay` holds the decay logits x and log a = logsigmoid(x) / decay_normalizer.
-    With `shared_lora`, q_shared and k_shared_logits are low-rank terms added to q and k_logits (sse_decode_torch)."""
+    With `shared_lora`, q_shared and k_shared_logits are low-rank terms added to q and k_logits (sse_decode_torch).
+    `log_decay_shared` and `read_top_k` as in `sse_attention` (a read_top_k other than top_k: torch only)."""
     decode = _triton_or_torch(DECODE_IMPLEMENTATIONS, impl, state.device, "SSE decode")
+    extra = {} if log_decay_shared is None else {"log_decay_shared": log_decay_shared}
+    if read_top_k is not None and read_top_k != top_k:
+        if decode is not sse_decode_torch:
+            raise ValueError(f"the Triton SSE decode reads the partitions it writes: read_top_k={read_top_k} != "
+                             f"top_k={top_k} (the authors' num_reader != num_writer) needs impl='torch'")
+        extra["read_top_k"] = read_top_k
     return decode(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                   k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, out=out,
-                  decay_normalizer=decay_normalizer, shared_lora=shared_lora)
+                  decay_normalizer=decay_normalizer, shared_lora=shared_lora, **extra)
 
 
 def read_states(cache, slots, has_state=None, *, impl="auto"):

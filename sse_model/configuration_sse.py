@@ -9,19 +9,26 @@ from typing import ClassVar
 from transformers import PreTrainedConfig
 
 SSE_LAYER, ATTENTION_LAYER = "linear_attention", "full_attention"
+# How the SSE layers' balance terms combine: their mean (the project's), or their sum over K (the SSE authors').
+BALANCE_LOSS_NORMS = ("mean_over_layers", "sum_over_layers_div_k")
 # Head sizes vLLM's CPU attention accepts; keeping to them lets every checkpoint run in the CPU build too.
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 PRESETS = {
-    # The paper's 2B SSE-H, n4k1: 18 layers, attention at 5, 11, 17, untied 151,936-token vocabulary.
-    # MLP width 6912 (3 x hidden) puts the counts at ~2.03B total / ~1.33B non-embedding (paper: ~2B / 1.3B).
+    # The paper's 2B SSE-H, n4k1: 18 layers, attention at 5, 11, 17, untied 151,936-token vocabulary; the SSE layer is
+    # the authors' (flash-linear-attention PR #882 at 741fbbf, fla/layers/sse.py SSEGLA; docs/model.md, "The
+    # authors' layer"): SiLU on q and v, the shared partition's own decay gate, low-rank q / k term and output gate of
+    # rank head_v_dim (128), balance loss summed over layers and divided by K.
+    # MLP width 6912 (3 x hidden) puts the counts at ~1.97B total / ~1.27B non-embedding (paper: ~2B / 1.3B).
     # 40,960 positions: the recipe's 32k-token rollouts after prompts of up to 8k (Qwen3's choice for the same).
     "paper_2b": dict(
         vocab_size=151936, hidden_size=2304, intermediate_size=6912, num_hidden_layers=18,
         layer_types=[ATTENTION_LAYER if i % 6 == 5 else SSE_LAYER for i in range(18)],
         num_attention_heads=18, num_key_value_heads=18, head_dim=128,
         sse_num_heads=18, sse_key_dim=128, sse_value_dim=128, sse_num_partitions=4, sse_top_k=1,
-        sse_shared_partition=True, sse_lora_rank=64, tie_word_embeddings=False, max_position_embeddings=40960,
+        sse_shared_partition=True, sse_lora_rank=128, tie_word_embeddings=False, max_position_embeddings=40960,
+        sse_qv_activation="silu", sse_shared_decay=True, sse_output_gate_rank=128,
+        sse_balance_loss_norm="sum_over_layers_div_k",
     ),
 }
 
@@ -77,6 +84,13 @@ class SSEConfig(PreTrainedConfig):
     sse_balance_loss_coef: float = 0.01
     sse_impl: str = "auto"
     sse_decode_impl: str = "auto"  # kernels.sse_decode implementation (HF generate and the vLLM backend)
+    # The SSE authors' layer (docs/model.md, "The authors' layer"; flash-linear-attention PR #882 at 741fbbf,
+    # fla/layers/sse.py SSEGLA). The defaults are the project's layer as it was.
+    sse_qv_activation: str = "none"   # "silu": SiLU on q (both partitions' q) and v, as SSEGLA
+    sse_shared_decay: bool = False    # the shared partition gets its own low-rank decay gate (SSEGLA's gk_proj[0])
+    sse_num_readers: int | None = None  # partitions each token reads (num_reader); None: sse_top_k, the ones written
+    sse_output_gate_rank: int | None = None  # a low-rank output gate g_up(g_down(x)) of this rank; None: dense g_proj
+    sse_balance_loss_norm: str = "mean_over_layers"  # or "sum_over_layers_div_k", the authors' normalisation
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -103,6 +117,22 @@ class SSEConfig(PreTrainedConfig):
     def num_sse_partitions_with_shared(self) -> int:
         return self.sse_num_partitions + int(self.sse_shared_partition)
 
+    # The authors' name for the number of partitions each token writes (num_writer): sse_top_k itself.
+    @property
+    def sse_num_writers(self) -> int:
+        return self.sse_top_k
+
+    @sse_num_writers.setter
+    def sse_num_writers(self, value: int):
+        self.sse_top_k = value
+
+    @property
+    def sse_read_top_k(self) -> int | None:
+        """The partitions each token reads when they are not the ones it writes (the operators' `read_top_k`),
+        else None."""
+        readers = self.sse_num_readers
+        return None if readers is None or readers == self.sse_top_k else readers
+
     def check(self):
         """Fail at construction, naming the field, rather than deep inside a kernel later."""
         def bad(field, why):
@@ -126,3 +156,17 @@ class SSEConfig(PreTrainedConfig):
             bad("sse_row_topk", f"must be in [1, sse_key_dim={self.sse_key_dim}] or null, got {self.sse_row_topk}")
         if self.sse_shared_partition and self.sse_lora_rank < 0:
             bad("sse_lora_rank", f"must be >= 0, got {self.sse_lora_rank}")
+        if self.sse_qv_activation not in ("none", "silu"):
+            bad("sse_qv_activation", f"must be 'none' or 'silu', got {self.sse_qv_activation!r}")
+        if self.sse_shared_decay and not self.sse_shared_partition:
+            bad("sse_shared_decay", "needs sse_shared_partition=True (it is the shared partition's decay)")
+        if self.sse_num_readers is not None and not 1 <= self.sse_num_readers <= self.sse_num_partitions:
+            bad("sse_num_readers", f"must be in [1, sse_num_partitions={self.sse_num_partitions}] or null, "
+                f"got {self.sse_num_readers}")
+        if self.sse_read_top_k is not None and self.sse_impl.startswith("triton"):
+            bad("sse_num_readers", f"{self.sse_num_readers} != sse_top_k={self.sse_top_k} (the partitions written) "
+                f"runs only on the torch SSE paths; sse_impl={self.sse_impl!r} reads the partitions it writes")
+        if self.sse_output_gate_rank is not None and self.sse_output_gate_rank < 1:
+            bad("sse_output_gate_rank", f"must be >= 1 or null, got {self.sse_output_gate_rank}")
+        if self.sse_balance_loss_norm not in BALANCE_LOSS_NORMS:
+            bad("sse_balance_loss_norm", f"must be one of {BALANCE_LOSS_NORMS}, got {self.sse_balance_loss_norm!r}")

@@ -1,4 +1,5 @@
-"""Convert a pretrained Transformer (Llama, Qwen2 / Qwen2.5, Qwen3) into SSE-H.
+"""Convert a pretrained Transformer (Llama, Qwen2 / Qwen2.5, Qwen3) into SSE-H. (A checkpoint of the SSE authors'
+own model, model_type "sse", is converted exactly by `sse_model.convert_authors`, which `sse-rl convert` picks.)
 
     convert("Qwen/Qwen3-1.7B", "runs/qwen3-sse", attention_every=6)      # or a local directory
     sse-rl convert --from SRC --to DST [--attention-layers 5,11,17 | --attention-every 6] [--partitions 4 ...]
@@ -378,7 +379,9 @@ def parse_layers(text: str) -> list[int]:
 def convert_main(argv=None) -> int:
     """`sse-rl convert --from SRC --to DST [--attention-layers 5,11,17 | --attention-every 6] [...]`."""
     parser = argparse.ArgumentParser(prog="sse-rl convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="src", required=True, help="Transformer checkpoint: local directory or hub id")
+    parser.add_argument("--from", dest="src", required=True,
+                        help="Transformer checkpoint (local directory or hub id), or a local checkpoint of the SSE "
+                             "authors' fla model (model_type 'sse'), converted as it is: the layer options are its own")
     parser.add_argument("--to", dest="dst", required=True, help="output directory for the sse_hybrid checkpoint")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--attention-layers", type=parse_layers, help="indices kept as softmax attention, e.g. 5,11,17")
@@ -399,7 +402,11 @@ def convert_main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from sse_model.convert_authors import convert_authors_checkpoint, is_authors_checkpoint
     try:
+        if is_authors_checkpoint(args.src):
+            convert_authors_checkpoint(args.src, args.dst)
+            return 0
         convert(args.src, args.dst, attention_every=args.attention_every, attention_layers=args.attention_layers,
                 partitions=args.partitions, top_k=args.top_k, lora_rank=args.lora_rank, row_topk=args.row_topk,
                 calibration_tokens=args.calibration_tokens, align_steps=args.align_steps, align_lr=args.align_lr,

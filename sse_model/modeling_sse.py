@@ -158,6 +158,9 @@ class SSELayer(nn.Module):
         self.router = nn.Linear(D, config.sse_num_partitions, bias=False)
         self.decay_down = nn.Linear(D, config.sse_decay_rank, bias=False)
         self.decay_up = nn.Linear(config.sse_decay_rank, H * c, bias=True)
+        if config.sse_shared_decay:  # the shared partition's own decay gate, low-rank like the routed one
+            self.shared_decay_down = nn.Linear(D, config.sse_decay_rank, bias=False)
+            self.shared_decay_up = nn.Linear(config.sse_decay_rank, H * c, bias=True)
         if config.sse_shared_partition and config.sse_lora_rank > 0:
             r = config.sse_lora_rank
             self.q_shared_down = nn.Linear(D, r, bias=False)
@@ -166,40 +169,53 @@ class SSELayer(nn.Module):
             self.k_shared_up = nn.Linear(r, H * c, bias=False)
             # The shared partition starts from the routed q/k projections; the LoRA learns its difference.
             self.q_shared_up.zero_init = self.k_shared_up.zero_init = True
-        self.g_proj = nn.Linear(D, H * dv, bias=config.sse_gate_bias)
+        if config.sse_output_gate_rank is None:
+            self.g_proj = nn.Linear(D, H * dv, bias=config.sse_gate_bias)
+        else:  # a low-rank output gate (the SSE authors' g_proj.0 / g_proj.1)
+            self.gate_down = nn.Linear(D, config.sse_output_gate_rank, bias=False)
+            self.gate_up = nn.Linear(config.sse_output_gate_rank, H * dv, bias=config.sse_gate_bias)
         self.o_norm = SSERMSNorm(dv, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * dv, D, bias=False)
         # The operators' settings beside `project`'s tensors; "log_decay" holds the decay logits, which the
         # operators turn into log a = logsigmoid(x) / normaliser themselves (the training kernels keep only x).
         self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
-                        decay_normalizer=config.sse_decay_normalizer)
+                        decay_normalizer=config.sse_decay_normalizer, read_top_k=config.sse_read_top_k)
 
     def project(self, x, token_mask=None, recipes=None):
         """(every tensor the SSE operator takes, with `self.ops`; the output gate's logits) from hidden states
         x [B, T, D], all in one autograd node (`kernels.sse_input_projections`). Pad tokens (token_mask 0) get zero
         v and decay logits +inf (log-decay 0), which leaves every state untouched. Appends to `recipes` how to make
-        again the inputs that are cheap to (`kernels.recomputed_when_saved`)."""
+        again the inputs that are cheap to (`kernels.recomputed_when_saved`). The authors' options: the shared
+        partition's own decay logits (through its modules, beside the node) and SiLU on q and v."""
         pad = None if token_mask is None else ~token_mask[:, :, None, None].bool()
         weights = self.projection_weights()
         p = (self.projections_by_modules(x, pad) if weights is None else
              kernels.sse_input_projections(x, self.num_heads, weights, pad=pad, recipes=recipes))
-        inputs = dict(q=p.q, k_logits=p.k_logits, v=p.v, log_decay=p.decay_logits, router_logits=p.router_logits)
+        act = sse_math.qv_activation(self.config.sse_qv_activation)
+        inputs = dict(q=act(p.q), k_logits=p.k_logits, v=act(p.v), log_decay=p.decay_logits,
+                      router_logits=p.router_logits)
         if self.config.sse_shared_partition:  # without the LoRA the shared partition's q and key logits are the routed
-            inputs["q_shared"] = p.q if p.q_shared is None else p.q_shared
+            inputs["q_shared"] = inputs["q"] if p.q_shared is None else act(p.q_shared)
             inputs["k_shared_logits"] = p.k_logits if p.k_shared_logits is None else p.k_shared_logits
+        if self.config.sse_shared_decay:
+            decay = self.shared_decay_up(self.shared_decay_down(x)).view(*x.shape[:2], self.num_heads, -1)
+            inputs["log_decay_shared"] = decay if pad is None else decay.masked_fill(pad, float("inf"))
         return inputs, p.gate
 
     def projection_weights(self) -> kernels.ProjectionWeights | None:
         """The projections' weights for the fused node, or None where one of them is wrapped (PEFT adapters,
         quantised layers): those must run their own forward, so they go through the modules."""
         lora = ["q_shared_down", "q_shared_up", "k_shared_down", "k_shared_up"] if hasattr(self, "q_shared_up") else []
-        modules = [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.router, self.decay_down, self.decay_up]
+        gate = [self.g_proj] if hasattr(self, "g_proj") else [self.gate_down, self.gate_up]
+        modules = [self.q_proj, self.k_proj, self.v_proj, *gate, self.router, self.decay_down, self.decay_up]
         if not all(type(m) is nn.Linear for m in modules + [getattr(self, name) for name in lora]):
             return None
         shared = {name: getattr(self, name).weight for name in lora}
+        # A low-rank gate enters the node as its product W_up W_down (autograd takes the factors' gradients).
+        gate_weight = gate[0].weight if len(gate) == 1 else self.gate_up.weight @ self.gate_down.weight
         return kernels.ProjectionWeights(
             q=self.q_proj.weight, q_bias=self.q_proj.bias, k=self.k_proj.weight, k_bias=self.k_proj.bias,
-            v=self.v_proj.weight, v_bias=self.v_proj.bias, gate=self.g_proj.weight, gate_bias=self.g_proj.bias,
+            v=self.v_proj.weight, v_bias=self.v_proj.bias, gate=gate_weight, gate_bias=gate[-1].bias,
             router=self.router.weight, decay_down=self.decay_down.weight, decay_up=self.decay_up.weight,
             decay_up_bias=self.decay_up.bias, **shared)
 
@@ -210,7 +226,7 @@ class SSELayer(nn.Module):
 
         def heads(t):
             return t.view(B, T, self.num_heads, -1)
-        q, k, v, gate = (heads(m(x)) for m in (self.q_proj, self.k_proj, self.v_proj, self.g_proj))
+        q, k, v, gate = (heads(m(x)) for m in (self.q_proj, self.k_proj, self.v_proj, self.gate))
         decay = heads(self.decay_up(self.decay_down(x)))
         if pad is not None:
             v, decay = v.masked_fill(pad, 0.0), decay.masked_fill(pad, float("inf"))
@@ -220,6 +236,10 @@ class SSELayer(nn.Module):
             k_shared = sse_math.shared_partition(k, heads(self.k_shared_up(self.k_shared_down(x))))
         return kernels.SSEProjections(q, k, v, gate, decay, q_shared, k_shared,
                                       kernels.float32_router(x, self.router.weight))
+
+    def gate(self, x):
+        """The output gate's logits: g_proj(x), or g_up(g_down(x)) with a low-rank gate."""
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.gate_up(self.gate_down(x))
 
     def output(self, o, gate):
         """Per-head RMSNorm, swish output gate, output projection."""
@@ -320,13 +340,16 @@ def replayed_selection(routes: torch.Tensor, router_logits: torch.Tensor, top_k:
 
 
 def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None,
-                 chosen_index: torch.Tensor | None = None):
-    """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers, and the usage f
-    [layers, N] for logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go:
-    per layer, these ~15 small ops each way were a visible share of the training step's host time).
+                 chosen_index: torch.Tensor | None = None, norm: str = "mean_over_layers"):
+    """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers ("mean_over_layers")
+    or summed over layers and divided by K ("sum_over_layers_div_k": the SSE authors' aux loss, flash-linear-attention
+    PR #882 at 741fbbf, fla/layers/sse.py and fla/models/sse/modeling_sse.py), and the usage f [layers, N] for
+    logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go: per layer, these
+    ~15 small ops each way were a visible share of the training step's host time).
 
-    f_i is the fraction of tokens routed to partition i (sums to K), P_i the mean router probability; the choice
-    is the top-K of the logits, or `chosen_index` [layers, B, T, K] where the caller has it already."""
+    f_i is the fraction of tokens routed to partition i (sums to K, the partitions written), P_i the mean router
+    probability; the choice is the top-K of the logits, or `chosen_index` [layers, B, T, K] where the caller has it
+    already."""
     N = router_logits.shape[-1]
     logits = router_logits.reshape(router_logits.shape[0], -1, N)
     probs = torch.softmax(logits.float(), -1)
@@ -338,7 +361,9 @@ def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tens
         weight = token_mask.reshape(1, -1, 1).float()
         count = weight.sum().clamp(min=1)
         usage, mean_prob = (chosen * weight).sum(1) / count, (probs * weight).sum(1) / count
-    return N * (usage * mean_prob).sum(-1).mean(), usage.detach()
+    per_layer = N * (usage * mean_prob).sum(-1)
+    total = per_layer.mean() if norm == "mean_over_layers" else per_layer.sum() / top_k
+    return total, usage.detach()
 
 
 def attends_per_sequence(config, cu_seqlens, token_mask) -> bool:
@@ -377,7 +402,7 @@ def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
 class SSEModelOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
     past_key_values: SSECache | None = None
-    balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
+    balance_loss: torch.FloatTensor | None = None      # over SSE layers (sse_balance_loss_norm), unscaled
     partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
     partition_choices: torch.LongTensor | None = None  # [num SSE layers, B, T, K] each token's top-K partitions
 
@@ -387,7 +412,7 @@ class SSECausalLMOutput(ModelOutput):
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     past_key_values: SSECache | None = None
-    balance_loss: torch.FloatTensor | None = None      # mean over SSE layers, before the coefficient
+    balance_loss: torch.FloatTensor | None = None      # over SSE layers (sse_balance_loss_norm), unscaled
     partition_usage: torch.FloatTensor | None = None  # [num SSE layers, N] fraction of tokens per partition
     partition_choices: torch.LongTensor | None = None  # [num SSE layers, B, T, K] each token's top-K partitions
 
@@ -492,7 +517,8 @@ class SSEModel(SSEPreTrainedModel):
         if router_logits:
             stacked = torch.stack(router_logits)
             choices = stacked.detach().topk(self.config.sse_top_k, -1).indices
-            aux, usage = balance_loss(stacked, self.config.sse_top_k, layer_kwargs["token_mask"], choices)
+            aux, usage = balance_loss(stacked, self.config.sse_top_k, layer_kwargs["token_mask"], choices,
+                                      self.config.sse_balance_loss_norm)
         return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
                               partition_usage=usage, partition_choices=choices)
 

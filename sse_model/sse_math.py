@@ -12,6 +12,16 @@ def shared_partition(routed: torch.Tensor, low_rank: torch.Tensor | None) -> tor
     return routed if low_rank is None else routed + low_rank
 
 
+def qv_activation(kind: str):
+    """The activation on q (both partitions' q, after the shared partition's low-rank term) and v: identity, or
+    SiLU as the SSE authors' layer (`SSEConfig.sse_qv_activation`)."""
+    return F.silu if kind == "silu" else _identity
+
+
+def _identity(x):
+    return x
+
+
 def gated_output(o_normed: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
     """The per-head-normalised operator output times the swish output gate (before W_o). The HF model's training
     runs this step fused with the norm (`kernels.norm_gate`, tested against this math in tests/test_model.py)."""

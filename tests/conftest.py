@@ -33,9 +33,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def sse_inputs(B, T, H, c, dv, N, *, shared=True, dtype=torch.float64, seed=0, requires_grad=False,
-               never_route=()):
+               never_route=(), shared_decay=False):
     """Fresh random inputs for `kernels.sse_attention`. `never_route` partitions get a large negative router bias
-    so no token selects them (empty partitions)."""
+    so no token selects them (empty partitions); `shared_decay` adds the shared partition's own log-decay."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*s):
@@ -48,6 +48,8 @@ def sse_inputs(B, T, H, c, dv, N, *, shared=True, dtype=torch.float64, seed=0, r
              log_decay=F.logsigmoid(r(B, T, H, c) + 2) / 4, router_logits=router)
     if shared:
         x.update(q_shared=r(B, T, H, c), k_shared_logits=r(B, T, H, c))
+    if shared_decay:
+        x.update(log_decay_shared=F.logsigmoid(r(B, T, H, c) + 1) / 4)
     return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in x.items()}
 
 

@@ -186,3 +186,77 @@ def test_converted_checkpoint_generates_in_vllm_like_hf(sources, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("TOKENS "))
     assert json.loads(line[len("TOKENS "):]) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints of the SSE authors' own model (flash-linear-attention PR #882 at 741fbbf, fla/models/sse/ and
+# fla/layers/sse.py), built here in their save_pretrained layout and checked against tests/authors_sse.py, a
+# plain-torch transcription of their model.
+
+AUTHORS_VARIANTS = {
+    "hybrid_w2_r2": {},
+    "reads_differ_tied_qkv_bias": dict(num_writer=1, num_reader=3, tie_word_embeddings=True,
+                                       attn={"layers": [0, 2], "num_heads": 2, "num_kv_heads": 2, "qkv_bias": True,
+                                             "window_size": None, "rope_theta": 500.0}),
+    "sse_only_expand_v": dict(attn=None, expand_v=2.0, num_sparse_partition=6, num_writer=2, num_reader=1),
+}
+
+
+@pytest.mark.parametrize("variant", list(AUTHORS_VARIANTS))
+def test_authors_checkpoint_converts_to_the_same_logits(tmp_path, variant):
+    """`sse-rl convert` on a checkpoint of the authors' model writes an sse_hybrid checkpoint whose logits equal
+    the authors' model's within float32 rounding, on a batch and through generation's incremental decoding; its
+    balance loss is their aux loss (summed over layers, divided by K)."""
+    from authors_sse import AUTHORS_CONFIG, authors_forward, save_authors_checkpoint
+    cfg, weights = save_authors_checkpoint(tmp_path / "authors", {**AUTHORS_CONFIG, **AUTHORS_VARIANTS[variant]})
+    assert convert_main(["--from", str(tmp_path / "authors"), "--to", str(tmp_path / "dst")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    config = model.config
+    assert (config.sse_qv_activation, config.sse_shared_decay, config.sse_balance_loss_norm) == (
+        "silu", True, "sum_over_layers_div_k")
+    assert (config.sse_top_k, config.sse_num_readers) == (cfg["num_writer"], cfg["num_reader"])
+    ids = prompt_ids(batch=2, length=23, seed=3) % cfg["vocab_size"]
+    with torch.no_grad():
+        want, want_aux = authors_forward(ids, cfg, weights)
+        out = model(input_ids=ids)
+        torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        torch.testing.assert_close(out.balance_loss, want_aux, rtol=1e-5, atol=0)
+        # incremental decoding (the operator's decode step) continues the same function
+        cache = model(input_ids=ids[:, :-3], use_cache=True).past_key_values
+        for t in range(ids.shape[1] - 3, ids.shape[1]):
+            step = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            torch.testing.assert_close(step.logits[:, 0], want[:, t], rtol=1e-5,
+                                       atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("linear_attn_type", "gdn", "linear_attn_type='gdn'"),
+    ("use_short_conv", True, "use_short_conv=True"),
+    ("num_v_heads", 8, "num_v_heads=8"),
+    ("use_output_gate", False, "use_output_gate=False"),
+    ("attn", {"layers": [1], "num_heads": 2, "num_kv_heads": 2, "qkv_bias": False, "window_size": 64,
+              "rope_theta": 1e4}, "attn.window_size=64"),
+])
+def test_authors_options_sse_h_lacks_are_named(tmp_path, capsys, option, value, message):
+    """The CLI refuses them (exit 2), naming the option."""
+    from authors_sse import AUTHORS_CONFIG, save_authors_checkpoint
+    save_authors_checkpoint(tmp_path / "authors", {**AUTHORS_CONFIG, option: value})
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(["--from", str(tmp_path / "authors"), "--to", str(tmp_path / "dst")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_authors_unknown_weight_is_named(tmp_path):
+    """A tensor the conversion does not map (an option it does not know) is an error naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from authors_sse import save_authors_checkpoint
+    from sse_model.convert_authors import convert_authors_checkpoint
+    save_authors_checkpoint(tmp_path / "authors")
+    tensors = load_file(tmp_path / "authors" / "model.safetensors")
+    tensors["model.layers.0.attn.q_conv1d_shared.weight"] = torch.zeros(64, 1, 4)
+    save_file(tensors, tmp_path / "authors" / "model.safetensors")
+    with pytest.raises(ValueError, match="q_conv1d_shared"):
+        convert_authors_checkpoint(tmp_path / "authors", tmp_path / "dst")

@@ -31,6 +31,10 @@ BASELINES = {
     "sse_row_sparse": dict(sse_num_partitions=8, sse_top_k=2, sse_row_topk=4),
     "gla": dict(sse_num_partitions=1, sse_top_k=1, sse_shared_partition=False, layer_types=[SSE_LAYER] * 3),
     "transformer": dict(layer_types=[ATTENTION_LAYER] * 3),
+    # the SSE authors' layer (flash-linear-attention PR #882 at 741fbbf, fla/layers/sse.py SSEGLA), reading one
+    # partition more than it writes
+    "authors": dict(sse_qv_activation="silu", sse_shared_decay=True, sse_num_readers=3, sse_output_gate_rank=8,
+                    sse_balance_loss_norm="sum_over_layers_div_k"),
 }
 
 
@@ -78,6 +82,12 @@ def test_trl_reference_model_loader_reads_a_checkpoint(tmp_path):
     (dict(sse_top_k=5), "sse_top_k"),
     (dict(sse_row_topk=17), "sse_row_topk"),
     (dict(num_key_value_heads=3, num_attention_heads=2), "num_key_value_heads"),
+    (dict(sse_qv_activation="gelu"), "sse_qv_activation"),
+    (dict(sse_shared_decay=True, sse_shared_partition=False), "sse_shared_decay"),
+    (dict(sse_num_readers=5), "sse_num_readers"),
+    (dict(sse_num_readers=3, sse_impl="triton_indexed"), "sse_num_readers"),
+    (dict(sse_output_gate_rank=0), "sse_output_gate_rank"),
+    (dict(sse_balance_loss_norm="sum"), "sse_balance_loss_norm"),
 ])
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"SSEConfig.{field}"):
@@ -105,6 +115,53 @@ def test_loss_is_cross_entropy_plus_balance(name):
     if model.config.sse_num_partitions > 1:  # with one partition the router weight is softmax([x]) = 1, a constant
         router = next(m for m in model.modules() if hasattr(m, "router")).router
         assert router.weight.grad.abs().sum() > 0
+
+
+def test_authors_options_default_to_the_project_layer():
+    """Defaults keep today's model: same parameters, and the same logits bit for bit as a model whose config spells
+    the defaults out."""
+    ids = torch.randint(1, 97, (2, 13))
+    spelled = dict(sse_qv_activation="none", sse_shared_decay=False, sse_num_readers=2, sse_output_gate_rank=None,
+                   sse_balance_loss_norm="mean_over_layers")
+    a, b = model_for("sse_n4k2"), model_for("sse_n4k2", **spelled)
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+    assert torch.equal(a(ids).logits, b(ids).logits)
+    assert a.config.sse_num_writers == a.config.sse_top_k == 2 and a.config.sse_read_top_k is None
+
+
+def test_authors_options_each_change_the_model():
+    """Each option is used: switched on alone (same seed otherwise) it changes the logits, or for the balance
+    normalisation the loss term: summed over the SSE layers and divided by K instead of their mean."""
+    ids = torch.randint(1, 97, (2, 13))
+    base = model_for("sse_n4k2")(ids)
+    for option in (dict(sse_qv_activation="silu"), dict(sse_num_readers=3)):
+        assert not torch.allclose(model_for("sse_n4k2", **option)(ids).logits, base.logits), option
+    shared_decay = model_for("sse_n4k2", sse_shared_decay=True)
+    names = {n for n, _ in shared_decay.named_parameters()}
+    assert {f"model.layers.0.linear_attn.shared_decay_{p}" for p in ("down.weight", "up.weight", "up.bias")} <= names
+    layer = shared_decay.model.layers[0].linear_attn
+    with torch.no_grad():
+        layer.shared_decay_up.bias.fill_(-3.0)
+    assert not torch.allclose(shared_decay(ids).logits, base.logits)
+    gate = model_for("sse_n4k2", sse_output_gate_rank=8).model.layers[0].linear_attn
+    assert not hasattr(gate, "g_proj") and gate.gate_down.weight.shape == (8, 64)
+    summed = model_for("sse_n4k2", sse_balance_loss_norm="sum_over_layers_div_k")(ids)
+    n_sse = HYBRID.count(SSE_LAYER)
+    assert torch.allclose(summed.balance_loss, base.balance_loss * n_sse / 2)
+
+
+def test_low_rank_gate_and_shared_decay_match_their_modules():
+    """The fused projections with a low-rank gate (its product W_up W_down) give the modules' gate, and the
+    layer's gradients reach both factors and the shared decay gate."""
+    model = model_for("authors")
+    layer = model.model.layers[0].linear_attn
+    x = torch.randn(2, 7, 64)
+    fused = kernels.sse_input_projections(x, layer.num_heads, layer.projection_weights())
+    by_modules = layer.projections_by_modules(x)
+    assert rel_err(fused.gate, by_modules.gate) < 1e-6
+    model(torch.randint(1, 97, (2, 9)), labels=torch.randint(1, 97, (2, 9))).loss.backward()
+    for m in (layer.gate_down, layer.gate_up, layer.shared_decay_down, layer.shared_decay_up):
+        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
 
 
 def test_balance_loss_ignores_pad_tokens():

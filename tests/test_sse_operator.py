@@ -279,3 +279,156 @@ def test_checkpoint_replay_gives_slots_only_inside_its_passes():
     with recomputation, pytest.raises(RuntimeError, match="more SSE operator calls than its forward"):
         for _ in range(3):
             replay.slot(8)
+
+
+# The SSE authors' layer (flash-linear-attention PR #882 at 741fbbf, fla/layers/sse.py and fla/ops/sse/mask.py):
+# the shared partition's own decay and reading other partitions than are written.
+# (name, batch, T, N, top_k (writes), read_top_k, shared_decay, row_topk, cu_seqlens)
+AUTHORS_CASES = [
+    ("shared_decay_n4k1", 2, 37, 4, 1, None, True, None, None),
+    ("shared_decay_varlen_row_sparse", 1, 30, 4, 2, None, True, 3, [0, 1, 1, 17, 18, 30]),
+    ("reads_more_than_writes", 2, 21, 6, 1, 3, True, None, None),
+    ("writes_more_than_reads_varlen", 1, 26, 5, 3, 2, False, None, [0, 9, 26]),
+    ("reads_all_no_shared_decay", 2, 19, 4, 2, 4, False, 5, None),
+]
+
+
+def authors_inputs(case, seed, **kwargs):
+    _, B, T, N, _, _, shared_decay, _, _ = case
+    return sse_inputs(B, T, H, C, DV, N, shared=True, shared_decay=shared_decay, seed=seed, **kwargs)
+
+
+def run_authors(impl, x, case, *, initial_state=None):
+    _, _, _, _, K, R, _, row_topk, cu = case
+    return sse_attention(**x, top_k=K, read_top_k=R, row_topk=row_topk, initial_state=initial_state,
+                         output_final_state=True, cu_seqlens=None if cu is None else torch.tensor(cu), impl=impl)
+
+
+def authors_mask_formulation(x, top_k, read_top_k):
+    """The authors' mask path written out (fla/layers/sse.py `sse_linear_attention_mask` with fla/ops/sse/mask.py
+    `softmax_and_mask`, PR #882 at 741fbbf): partition n gets (q e_n [n read], softmax(k) e_n [n written],
+    v [n written], log a [n written]) with e = softmax over all N partitions, the shared one (q_shared,
+    softmax(k_shared), v, its own log a), each a plain GLA, and the outputs summed. Independent of
+    kernels/sse/naive.py, whose extension to these options it checks."""
+    e = torch.softmax(x["router_logits"], -1)
+    order = x["router_logits"].argsort(-1, descending=True)
+    ranks = order.argsort(-1)
+    writer, reader = ranks < top_k, ranks < read_top_k
+    keys = torch.softmax(x["k_logits"], -1)
+    o = recurrent_gla_reference(x["q_shared"], torch.softmax(x["k_shared_logits"], -1), x["v"],
+                                x.get("log_decay_shared", x["log_decay"]))[0]
+    for n in range(e.shape[-1]):
+        w, r = writer[..., n, None, None], reader[..., n, None, None]
+        e_n = e[..., n, None, None]
+        o = o + recurrent_gla_reference(x["q"] * e_n * r, keys * e_n * w, x["v"] * w, x["log_decay"] * w)[0]
+    return o
+
+
+@pytest.mark.parametrize("top_k,read_top_k,shared_decay", [(1, 1, True), (1, 3, True), (3, 2, False), (2, 4, True)])
+def test_reference_is_the_authors_mask_formulation(top_k, read_top_k, shared_decay):
+    x = sse_inputs(2, 23, H, C, DV, 4, shared=True, shared_decay=shared_decay, seed=31 + top_k + 5 * read_top_k)
+    o, _ = sse_attention(**x, top_k=top_k, read_top_k=read_top_k, impl="reference")
+    assert rel_err(o, authors_mask_formulation(x, top_k, read_top_k)) < 1e-12
+
+
+def test_shared_decay_and_reads_change_the_function():
+    """Each option changes the output (else the tests above could not tell a path that ignores it)."""
+    x = sse_inputs(2, 23, H, C, DV, 4, shared=True, shared_decay=True, seed=3)
+    base = {k: v for k, v in x.items() if k != "log_decay_shared"}
+    o_base, _ = sse_attention(**base, top_k=1, impl="reference")
+    o_decay, _ = sse_attention(**x, top_k=1, impl="reference")
+    o_reads, _ = sse_attention(**base, top_k=1, read_top_k=2, impl="reference")
+    o_same, _ = sse_attention(**base, log_decay_shared=base["log_decay"], top_k=1, read_top_k=1, impl="reference")
+    assert rel_err(o_decay, o_base) > 1e-3 and rel_err(o_reads, o_base) > 1e-3
+    assert torch.equal(o_same, o_base)
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+@pytest.mark.parametrize("case", AUTHORS_CASES, ids=[c[0] for c in AUTHORS_CASES])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_chunked_authors_options_match_reference(impl, case, dtype, tol):
+    seed = hash((impl, case[0], str(dtype))) % 2**31
+    x = authors_inputs(case, seed)
+    _, B, _, N, _, _, _, _, cu = case
+    h0 = torch.randn(B if cu is None else len(cu) - 1, H, N + 1, C, DV, dtype=torch.float64,
+                     generator=torch.Generator().manual_seed(seed + 1))
+    o_ref, s_ref = run_authors("reference", x, case, initial_state=h0)
+    o, s = run_authors(impl, {k: v.to(dtype) for k, v in x.items()}, case, initial_state=h0.to(dtype))
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+@pytest.mark.parametrize("case", AUTHORS_CASES[1:4], ids=[c[0] for c in AUTHORS_CASES[1:4]])
+def test_chunked_authors_options_gradients_match_reference(impl, case):
+    seed = hash((impl, case[0], "grad")) % 2**31
+    x = authors_inputs(case, seed, requires_grad=True)
+    _, B, _, N, _, _, _, _, cu = case
+    h0 = torch.randn(B if cu is None else len(cu) - 1, H, N + 1, C, DV, dtype=torch.float64,
+                     generator=torch.Generator().manual_seed(seed + 1)).requires_grad_()
+    weights = [torch.randn_like(t) for t in run_authors("reference", x, case, initial_state=h0)]
+    grads = {}
+    for which in ["reference", impl]:
+        o, s = run_authors(which, x, case, initial_state=h0)
+        grads[which] = torch.autograd.grad((o * weights[0]).sum() + (s * weights[1]).sum(), [*x.values(), h0])
+    for name, g_ref, g in zip([*x.keys(), "initial_state"], grads["reference"], grads[impl]):
+        assert rel_err(g, g_ref) < 1e-10, name
+
+
+@pytest.mark.parametrize("top_k,read_top_k", [(1, 1), (1, 3), (3, 2)])
+@pytest.mark.parametrize("state_dtype,tol", [(torch.float64, 1e-12), (torch.int16, 1e-4)])
+@pytest.mark.parametrize("decay_logits", [False, True])
+def test_decode_authors_options_match_reference(top_k, read_top_k, state_dtype, tol, decay_logits):
+    """Decode steps with the shared partition's own decay and read_top_k against the reference; a partition only
+    read keeps its stored state bit for bit (an int16 one is not rounded again)."""
+    N, steps, num_slots = 5, 4, 6
+    slots = torch.tensor([4, -1, 1])
+    live = slots >= 0
+    x = sse_inputs(3, steps, H, C, DV, N, shared=True, shared_decay=True, seed=17 + read_top_k)
+    state = states_to_cache(torch.randn(num_slots, H, N + 1, C, DV, dtype=torch.float64,
+                                        generator=torch.Generator().manual_seed(6)), state_dtype)
+    h0 = states_from_cache(state[slots[live]]).double()
+    normalizer = 4.0 if decay_logits else None
+    if decay_logits:  # the same log-decays, given as logits x with logsigmoid(x) / 4
+        for name in ("log_decay", "log_decay_shared"):
+            x[name] = torch.log(torch.expm1(-4 * x[name]).reciprocal())
+    ref = {k: v[live] for k, v in x.items()}
+    if decay_logits:
+        ref["log_decay"], ref["log_decay_shared"] = (torch.nn.functional.logsigmoid(ref[n]) / 4
+                                                     for n in ("log_decay", "log_decay_shared"))
+    ref_o, ref_s = sse_attention(**ref, top_k=top_k, read_top_k=read_top_k, initial_state=h0,
+                                 output_final_state=True, impl="reference")
+    outs = []
+    for t in range(steps):
+        before = state.clone()
+        step = {k: v[:, t] for k, v in x.items()}
+        outs.append(sse_decode(state, slots, **step, top_k=top_k, read_top_k=read_top_k,
+                               decay_normalizer=normalizer, impl="torch"))
+        order = x["router_logits"][:, t].argsort(-1, descending=True)
+        for b in live.nonzero().squeeze(1).tolist():
+            for p in order[b, top_k:].tolist():  # not written this step
+                assert torch.equal(state[slots[b], :, p], before[slots[b], :, p])
+    o = torch.stack(outs, 1)
+    assert torch.count_nonzero(o[~live]) == 0
+    assert rel_err(o[live], ref_o) < tol
+    assert rel_err(states_from_cache(state[slots[live]]), ref_s) < tol
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(read_top_k=5), "read_top_k must be in"),
+    (dict(read_top_k=2, impl="triton_indexed"), "reads the partitions it writes"),
+    (dict(drop="q_shared,k_shared_logits"), "log_decay_shared is the shared partition's"),
+])
+def test_bad_authors_arguments_are_named(bad, message):
+    x = sse_inputs(2, 7, H, C, DV, 4, seed=1, shared_decay=True)
+    for name in bad.pop("drop", "").split(","):
+        x.pop(name, None)
+    with pytest.raises(ValueError, match=message):
+        sse_attention(**x, top_k=1, **bad)
+
+
+def test_triton_decode_refuses_other_reads():
+    x = sse_inputs(2, 1, H, C, DV, 4, seed=1)
+    state = torch.zeros(2, H, 5, C, DV)
+    with pytest.raises(ValueError, match="reads the partitions it writes"):
+        sse_decode(state, torch.arange(2), **{k: v[:, 0].float() for k, v in x.items()}, top_k=1, read_top_k=2,
+                   impl="triton")

@@ -1195,3 +1195,82 @@ def test_model_step_takes_the_indexed_path_and_matches_torch(device, monkeypatch
     loss_ck, grads_ck = train_step(indexed)
     assert len(routed) == model.config.layer_types.count("linear_attention"), len(routed)
     assert rel_err(loss_ck, loss) < 1e-6 and max(rel_err(a, b) for a, b in zip(grads_ck, grads)) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The SSE authors' layer (flash-linear-attention PR #882 at 741fbbf, fla/layers/sse.py): the shared partition's own
+# decay gate, an operator input of every path (here the Triton ones, forward and backward, and decode).
+
+@pytest.mark.parametrize("impl, row_topk, decay_logits", [
+    ("triton_indexed", None, False), ("triton_indexed", 5, False), ("triton_indexed", None, True),
+    ("triton_indexed", 5, True), ("triton_varlen", 5, False), ("triton_mask", None, False),
+], ids=["indexed", "indexed-row-sparse", "indexed-logits", "indexed-row-sparse-logits", "varlen-row-sparse",
+        "mask"])
+def test_chunk_shared_decay(device, impl, row_topk, decay_logits):
+    """`log_decay_shared` (log-decays, or decay logits with `decay_normalizer` on the indexed path) against the
+    float64 reference on a varlen batch from initial states: output, final states and every gradient, its own
+    included."""
+    from kernels.sse import log_decay_from_logits, sse_reference
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    cu = torch.tensor([0, 1, 1, 8, 13], device=device)
+    T, N, K = 13, 4, 2
+    ins = random_inputs(1, T, H, c, dv, N, True, 4, F32, device)
+    shared = torch.randn(1, T, H, c, device=device) * 2 + 1
+    ins["log_decay_shared"] = (shared if decay_logits else F.logsigmoid(shared) / 16).requires_grad_()
+    if decay_logits:
+        ins["log_decay"] = (torch.randn(1, T, H, c, device=device) * 2).requires_grad_()
+    kw = dict(top_k=K, row_topk=row_topk, cu_seqlens=cu)
+    cot = cotangents_for(T, H, N, c, dv, 4, device)
+    fn = chunk_impl(impl, device)
+    got = forward_backward(functools.partial(fn, decay_normalizer=16.0) if decay_logits else fn, ins, cot, **kw)
+    leaves = {n: x.detach().double().requires_grad_() for n, x in ins.items()}
+
+    def reference(log_decay, log_decay_shared, **rest):
+        if decay_logits:
+            log_decay, log_decay_shared = (log_decay_from_logits(x, 16.0) for x in (log_decay, log_decay_shared))
+        return sse_reference(log_decay=log_decay, log_decay_shared=log_decay_shared, **rest)
+    ref = forward_backward(reference, leaves, cot, **kw)
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < CHUNK_TOL[device][F32], errors
+    # the shared decay matters: the routed decay alone gives another output
+    alone = fn(**{n: x.detach() for n, x in ins.items() if n != "log_decay_shared"}, **kw,
+               **(dict(decay_normalizer=16.0) if decay_logits else {}))[0]
+    assert rel_err(alone, ref["o"]) > 10 * CHUNK_TOL[device][F32]
+
+
+@pytest.mark.parametrize("state_dtype", [F32, INT16], ids=["f32-state", "int16-state"])
+@pytest.mark.parametrize("decay_logits", [False, True], ids=["log-decay", "logits"])
+def test_decode_shared_decay(device, state_dtype, decay_logits):
+    """The Triton decode step with the shared partition's own decay against the float64 reference and the torch
+    twin (same cache, same rounding)."""
+    from kernels import states_from_cache, states_to_cache
+    from kernels.sse import log_decay_from_logits, sse_decode_torch, sse_reference
+    from kernels.triton import sse_decode_triton
+    H, c, dv = (SHAPES[device][n] for n in ("H", "c", "dv"))
+    N, K = 4, 1
+    slots = torch.tensor([3, -1, 0, 5], device=device)
+    step = {n: x.detach()[:, 0] for n, x in random_inputs(4, 1, H, c, dv, N, True, 1, F32, device).items()
+            if n != "initial_state"}
+    shared = torch.randn(4, H, c, device=device) * 2 + 1
+    step["log_decay_shared"] = shared if decay_logits else F.logsigmoid(shared) / 16
+    if decay_logits:
+        step["log_decay"] = torch.randn(4, H, c, device=device) * 2
+    normalizer = 16.0 if decay_logits else None
+    cache = states_to_cache(torch.randn(6, H, N + 1, c, dv, device=device), state_dtype)
+    twin = cache.clone()
+    state = states_from_cache(cache).clone()  # (a float32 cache's states are the cache itself)
+    o = sse_decode_triton(cache, slots, **step, top_k=K, decay_normalizer=normalizer)
+    twin_o = sse_decode_torch(twin, slots, **step, top_k=K, decay_normalizer=normalizer)
+    live = slots >= 0
+    ref_in = {n: x[live][:, None].double() for n, x in step.items()}
+    if decay_logits:
+        for n in ("log_decay", "log_decay_shared"):
+            ref_in[n] = log_decay_from_logits(ref_in[n], 16.0)
+    ref_o, ref_state = sse_reference(**ref_in, top_k=K, initial_state=state[slots[live]].double(),
+                                     output_final_state=True)
+    tolerance = 1e-5 if state_dtype == F32 else 1e-4
+    errors = {"o": rel_err(o[live], ref_o[:, 0]), "state": rel_err(states_from_cache(cache[slots[live]]), ref_state),
+              "twin_o": rel_err(o, twin_o)}
+    print({n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < tolerance, errors

@@ -45,6 +45,11 @@ CONFIGS = {
     "gla": dict(layer_types=[S] * 3, num_hidden_layers=3, sse_num_partitions=1, sse_top_k=1,
                 sse_shared_partition=False, tie_word_embeddings=True),
     "transformer": dict(layer_types=[A] * 3, num_hidden_layers=3),
+    # the SSE authors' layer (flash-linear-attention PR #882 at 741fbbf, fla/layers/sse.py SSEGLA): SiLU q / v over
+    # the shared partition's low-rank terms, its own decay gate, a low-rank output gate, two partitions read and
+    # one written (the torch paths of the CPU engine)
+    "authors": dict(layer_types=[S, A, S], num_hidden_layers=3, sse_num_partitions=4, sse_top_k=1,
+                    sse_num_readers=2, sse_qv_activation="silu", sse_shared_decay=True, sse_output_gate_rank=8),
     # the Triton decode test: every decode feature on (K > 1, shared partition, row-sparse keys), and a hybrid, so
     # vLLM pads the state pages up to the attention page and the kernel gets a strided state cache
     "triton": dict(layer_types=[S, A], num_hidden_layers=2, sse_num_partitions=4, sse_top_k=2, sse_row_topk=8),
@@ -62,6 +67,7 @@ ENGINES = {
                             max_num_seqs=8, disable_log_stats=False, enable_prefix_caching=False),
     "gla": dict(COMMON, enforce_eager=True),
     "transformer": dict(COMMON, enforce_eager=True),
+    "authors": dict(COMMON, enforce_eager=True),
     # bf16 engines of n4k1: vLLM's default states for them (int16 fixed point), and float32 ones. vLLM's CPU build
     # makes every state float32 on CPUs with AVX-512 BF16 whatever "auto" says; the worker hides that feature for
     # the first, as on a CPU without it (a GPU engine's case)
@@ -622,21 +628,21 @@ def test_a_hybrid_has_two_kv_cache_groups(worker):
 def greedy_runs(worker, hf):
     """Per config: vLLM's greedy outputs for a batch of prompts of different lengths, and HF's."""
     runs = {}
-    for name in ("n4k1", "n8k2_row_sparse", "gla", "transformer"):
+    for name in ("n4k1", "n8k2_row_sparse", "gla", "transformer", "authors"):
         prompts = prompts_for(hf[name].config.vocab_size)
         ours = worker("generate", worker.engine(name), prompts, greedy())
         runs[name] = prompts, [o["completions"][0] for o in ours], hf_greedy(hf[name], prompts, NEW_TOKENS)
     return runs
 
 
-@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer"])
+@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer", "authors"])
 def test_greedy_matches_hf_generate(greedy_runs, name):
     prompts, ours, theirs = greedy_runs[name]
     for prompt, o, t in zip(prompts, ours, theirs):
         assert o["token_ids"] == t, (name, len(prompt))
 
 
-@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer"])
+@pytest.mark.parametrize("name", ["n4k1", "n8k2_row_sparse", "gla", "transformer", "authors"])
 def test_logprobs_match_hf(greedy_runs, hf, name):
     prompts, ours, _ = greedy_runs[name]
     for prompt, o in zip(prompts, ours):

@@ -8,8 +8,8 @@ from kernels.sse.decode import (
     write_states_torch,
 )
 from kernels.sse.naive import sse_reference
-from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
+from kernels.sse.routing import log_decay_from_logits, route, route_read_write, softmax_keys
 
 __all__ = ["cache_rows", "sse_chunk_mask", "sse_chunk_varlen", "sse_decode_torch", "sse_reference",
-           "log_decay_from_logits", "read_states_torch", "route", "softmax_keys", "states_from_cache",
-           "states_to_cache", "write_states_torch"]
+           "log_decay_from_logits", "read_states_torch", "route", "route_read_write", "softmax_keys",
+           "states_from_cache", "states_to_cache", "write_states_torch"]

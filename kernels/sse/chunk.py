@@ -5,11 +5,13 @@ only rearrange tensors around a GLA core passed in as `gla` (torch on CPU, a Tri
 - varlen: rows regrouped by (segment, partition) in time order with new cu_seqlens; work ~ (K + 1) tokens.
 - mask: every partition sees every token, unselected ones zeroed (q, k and log-decay), partitions folded into the
   key dimension; work ~ (N + 1) key blocks, but plain dense tensors (paper Algorithm 1). The CPU pick at K = N.
+With `read_top_k` != top_k (the authors' num_reader / num_writer) a token's rows cover the partitions it reads or
+writes: a read-only row has k = 0 and log-decay 0 (its state untouched), a write-only row q = 0.
 """
 import torch
 
 from kernels.gla import chunk_gla_torch
-from kernels.sse.routing import route, softmax_keys
+from kernels.sse.routing import route_read_write, softmax_keys, written_and_read
 
 
 def _segment_bounds(B, T, cu_seqlens, device):
@@ -20,42 +22,51 @@ def _segment_bounds(B, T, cu_seqlens, device):
     return cu_seqlens.to(device=device, dtype=torch.long)
 
 
-def _prepare(q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index):
-    weights, index, topk_weight = route(router_logits, top_k, route_index)
+def _prepare(q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, log_decay_shared,
+             read_top_k, route_index):
+    routing = route_read_write(router_logits, top_k, read_top_k, route_index)
     keys, decay = softmax_keys(k_logits, log_decay, row_topk)
     shared = None
     if q_shared is not None:
-        keys_s, decay_s = softmax_keys(k_shared_logits, log_decay, row_topk)
+        keys_s, decay_s = softmax_keys(k_shared_logits, log_decay if log_decay_shared is None else log_decay_shared,
+                                       row_topk)
         shared = (q_shared.to(keys.dtype), keys_s, decay_s)
-    return q.to(keys.dtype), keys, decay, weights, index, topk_weight, shared
+    return q.to(keys.dtype), keys, decay, routing, shared
 
 
 def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                      row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     route_index=None, gla=chunk_gla_torch):
+                     log_decay_shared=None, read_top_k=None, route_index=None, gla=chunk_gla_torch):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     scale = c**-0.5 if scale is None else scale
-    q, keys, decay, _, index, topk_weight, shared = _prepare(
-        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index)
+    q, keys, decay, (_, index, topk_weight, writes, reads), shared = _prepare(
+        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, log_decay_shared,
+        read_top_k, route_index)
+    J = index.shape[-1]  # rows per token (the partitions it reads or writes) before the shared one
     P = N + (shared is not None)
     L, device = B * T, q.device
     bounds = _segment_bounds(B, T, cu_seqlens, device)
     num_segments = bounds.numel() - 1
     segment_of_token = torch.searchsorted(bounds, torch.arange(L, device=device), right=True) - 1
 
-    # One row per (token, selected partition), then one per token for the shared partition.
-    row_token = torch.arange(L, device=device).repeat_interleave(top_k)
+    # One row per (token, selected partition), then one per token for the shared partition. Rows scale q by
+    # w (0 where the partition is not read) and k by w (0 where it is not written), the latter's log-decay 0.
+    row_token = torch.arange(L, device=device).repeat_interleave(J)
     row_part, row_w = index.reshape(-1), topk_weight.reshape(-1).to(q.dtype)
+    row_written = writes.repeat(L)
+    row_wq, row_wk = row_w * reads.repeat(L), row_w * row_written  # exact where every row is read and written
     if shared is not None:
         row_token = torch.cat([row_token, torch.arange(L, device=device)])
         row_part = torch.cat([row_part, torch.full((L,), N, device=device, dtype=torch.long)])
-        row_w = torch.cat([row_w, q.new_ones(L)])
+        row_wq, row_wk = (torch.cat([w, q.new_ones(L)]) for w in (row_wq, row_wk))
+        row_written = torch.cat([row_written, row_written.new_ones(L)])
     group = segment_of_token[row_token] * P + row_part
     order = torch.argsort(group, stable=True)  # time order kept inside each (segment, partition) group
     new_bounds = torch.zeros(num_segments * P + 1, dtype=torch.long, device=device)
     new_bounds[1:] = torch.bincount(group, minlength=num_segments * P).cumsum(0)
-    row_token, row_part, row_w = row_token[order], row_part[order], row_w[order][None, :, None, None]
+    row_token, row_part = row_token[order], row_part[order]
+    row_wq, row_wk, row_written = (x[order][None, :, None, None] for x in (row_wq, row_wk, row_written))
     # Rows are read by index_select, whose backward is an index_add: advanced indexing's (index_put with
     # accumulate) is a large share of the CPU op's time (`python -m bench.op --device cpu`). Shared rows read the
     # shared tensors, stacked after the others.
@@ -68,7 +79,9 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
             x = torch.cat([x, x_shared.reshape(L, H, -1)])
         return x.index_select(0, row_src)[None]
 
-    rows_q, rows_k, rows_g = rows(q, q_s) * row_w, rows(keys, keys_s) * row_w, rows(decay, decay_s)
+    rows_q, rows_k, rows_g = rows(q, q_s) * row_wq, rows(keys, keys_s) * row_wk, rows(decay, decay_s)
+    if J > top_k:  # rows only read
+        rows_g = rows_g * row_written
     rows_v = v.reshape(L, H, dv).index_select(0, row_token)[None].to(q.dtype)
     h0 = None
     if initial_state is not None:
@@ -83,17 +96,18 @@ def sse_chunk_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_share
 
 def sse_chunk_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                    row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                   route_index=None, gla=chunk_gla_torch):
+                   log_decay_shared=None, read_top_k=None, route_index=None, gla=chunk_gla_torch):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     scale = c**-0.5 if scale is None else scale
-    q, keys, decay, weights, index, _, shared = _prepare(
-        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, route_index)
+    q, keys, decay, (weights, index, _, writes, reads), shared = _prepare(
+        q, k_logits, log_decay, router_logits, top_k, q_shared, k_shared_logits, row_topk, log_decay_shared,
+        read_top_k, route_index)
     P = N + (shared is not None)
-    selected = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, index, True)
-    w = (weights * selected).to(q.dtype)[:, :, None, :, None]  # [B, T, 1, N, 1]
-    on = selected[:, :, None, :, None]
-    parts_q, parts_k = [q[:, :, :, None] * w], [keys[:, :, :, None] * w]
+    written, read = written_and_read(index, writes, reads, N)
+    w_q, w_k = ((weights * m).to(q.dtype)[:, :, None, :, None] for m in (read, written))  # [B, T, 1, N, 1]
+    on = written[:, :, None, :, None]
+    parts_q, parts_k = [q[:, :, :, None] * w_q], [keys[:, :, :, None] * w_k]
     parts_g = [decay[:, :, :, None] * on]
     if shared is not None:
         q_s, keys_s, decay_s = shared

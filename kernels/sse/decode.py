@@ -22,7 +22,7 @@ bound is loose by how far the largest decay and key overstate the column's: over
 """
 import torch
 
-from kernels.sse.routing import log_decay_from_logits, route, softmax_keys
+from kernels.sse.routing import log_decay_from_logits, route_read_write, softmax_keys
 
 FIXED_MAX = 32767   # the int16 value a column's bound (or largest |S|) is stored as
 SCALE_ROWS = 4      # two float32 per column (scale, largest |S|) = four int16 rows
@@ -78,7 +78,7 @@ def write_states_torch(cache: torch.Tensor, slots: torch.Tensor, states: torch.T
 
 def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                      k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
-                     shared_lora=False):
+                     shared_lora=False, log_decay_shared=None, read_top_k=None):
     """state [num_slots, H, N + shared, c, d_v] (float32, float64, bfloat16, or int16 with [c + 4, d_v] per state:
     `states_to_cache`; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
     v [B, H, d_v]; router_logits [B, N]; slot_ids [B] (-1 = skip). Returns o [B, H, d_v] in v's dtype (zeros for
@@ -88,16 +88,21 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
     the step uses log a = logsigmoid(x) / decay_normalizer (the Triton kernel fuses it: no extra kernels per layer in
     vLLM). With `shared_lora`, q_shared and k_shared_logits are the low-rank terms of the shared partition's q and key
     logits, which are q + q_shared and k_logits + k_shared_logits added in the inputs' dtype, as the models add
-    them (the Triton kernel adds them itself: vLLM passes the up-projection's output as it is)."""
+    them (the Triton kernel adds them itself: vLLM passes the up-projection's output as it is).
+    `log_decay_shared` [B, H, c]: the shared partition's own log-decay (decay logits with `decay_normalizer`),
+    else it decays as the routed ones; `read_top_k`: partitions read when they differ from the `top_k` written
+    (`kernels.sse_attention`); a partition only read is not written back."""
     if shared_lora and q_shared is not None:
         q_shared, k_shared_logits = q + q_shared, k_logits + k_shared_logits
     if decay_normalizer is not None:
-        log_decay = log_decay_from_logits(log_decay.to(torch.promote_types(state.dtype, log_decay.dtype)),
-                                          decay_normalizer)
+        log_decay, log_decay_shared = (
+            None if x is None else log_decay_from_logits(x.to(torch.promote_types(state.dtype, x.dtype)),
+                                                         decay_normalizer)
+            for x in (log_decay, log_decay_shared))
     if out is not None:
         return out.copy_(sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, top_k=top_k,
                                           q_shared=q_shared, k_shared_logits=k_shared_logits, row_topk=row_topk,
-                                          scale=scale))
+                                          scale=scale, log_decay_shared=log_decay_shared, read_top_k=read_top_k))
     B, H, c = q.shape
     N = router_logits.shape[-1]
     scale = c**-0.5 if scale is None else scale
@@ -112,20 +117,24 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
 
         o[rows] = sse_decode_torch(state, slot_ids[rows], *map(pick, (q, k_logits, v, log_decay, router_logits)),
                                    top_k=top_k, q_shared=pick(q_shared), k_shared_logits=pick(k_shared_logits),
-                                   row_topk=row_topk, scale=scale).to(o.dtype)
+                                   row_topk=row_topk, scale=scale, log_decay_shared=pick(log_decay_shared),
+                                   read_top_k=read_top_k).to(o.dtype)
         return o.to(v.dtype)
 
     def f(x):
         return x.to(compute)
 
-    _, index, topk_weight = route(router_logits, top_k)            # [B, K]
+    _, index, topk_weight, writes, reads = route_read_write(router_logits, top_k, read_top_k)  # [B, J]
     keys, decay = softmax_keys(f(k_logits), f(log_decay), row_topk)
-    parts, w = index, f(topk_weight)                               # gathered partitions and their weights
-    q_rows, k_rows = [f(q)[:, None] * w[..., None, None]], [keys[:, None] * w[..., None, None]]
-    g_rows = [decay[:, None].expand(-1, top_k, -1, -1)]
+    parts, w = index, f(topk_weight)[..., None, None]              # gathered partitions and their weights
+    written = writes.expand_as(index)
+    q_rows, k_rows = [f(q)[:, None] * (w * reads[:, None, None])], [keys[:, None] * (w * writes[:, None, None])]
+    g_rows = [decay[:, None] * writes[:, None, None]]
     if q_shared is not None:
-        keys_s, decay_s = softmax_keys(f(k_shared_logits), f(log_decay), row_topk)
+        keys_s, decay_s = softmax_keys(f(k_shared_logits), f(log_decay if log_decay_shared is None else
+                                                            log_decay_shared), row_topk)
         parts = torch.cat([index, torch.full_like(index[:, :1], N)], 1)
+        written = torch.cat([written, written[:, :1].new_ones(B, 1)], 1)
         q_rows.append(f(q_shared)[:, None]), k_rows.append(keys_s[:, None]), g_rows.append(decay_s[:, None])
     qq, kk, gg = torch.cat(q_rows, 1), torch.cat(k_rows, 1), torch.cat(g_rows, 1)   # [B, P_sel, H, c]
     slots = slot_ids[:, None].expand_as(parts)
@@ -137,6 +146,10 @@ def sse_decode_torch(state, slot_ids, q, k_logits, v, log_decay, router_logits, 
         bound = (decay.amax(-1)[..., None, None] * (_column_floats(cached, 1) + 0.5 * _column_floats(cached, 0))
                  + kk.abs().amax(-1)[..., None, None] * vv.abs())
     S = decay[..., None] * S + kk[..., None] * vv
-    state[slots, :, parts] = states_to_cache(S, state.dtype, bound)
+    if read_top_k is None or read_top_k <= top_k:  # every row written
+        state[slots, :, parts] = states_to_cache(S, state.dtype, bound)
+    else:  # partitions only read keep their stored state (an int16 one would be rounded again)
+        state[slots[written], :, parts[written]] = states_to_cache(S[written], state.dtype,
+                                                                   None if bound is None else bound[written])
     o = scale * torch.einsum("bphc,bphcv->bhv", qq, S)
     return o.to(v.dtype)

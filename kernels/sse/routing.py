@@ -38,6 +38,27 @@ def selection_scores(route_index: torch.Tensor, num_partitions: int) -> torch.Te
     return scores.scatter_(-1, route_index.long(), ranks)
 
 
+def route_read_write(router_logits: torch.Tensor, top_k: int, read_top_k: int | None = None,
+                     route_index: torch.Tensor | None = None):
+    """`route` for a token that writes its top `top_k` partitions and reads its top `read_top_k` (None: top_k),
+    the authors' num_writer / num_reader (flash-linear-attention PR #882 at 741fbbf, fla/ops/sse/mask.py).
+    Both are prefixes of one top-J ranking (J = the larger), so they agree on ties. Returns (weights [..., N],
+    index [..., J], their weights [..., J], writes [J] bool, reads [J] bool): which of the J are written / read.
+    `route_index` [..., top_k] (partition replay; only where the reads are the writes) is the choice instead."""
+    read_top_k = top_k if read_top_k is None else read_top_k
+    J = max(top_k, read_top_k)
+    weights, index, topk_weight = route(router_logits, J, route_index)
+    j = torch.arange(J, device=router_logits.device)
+    return weights, index, topk_weight, j < top_k, j < read_top_k
+
+
+def written_and_read(index: torch.Tensor, writes: torch.Tensor, reads: torch.Tensor, N: int):
+    """`route_read_write`'s choice as masks over all N partitions: (written [..., N], read [..., N]) bool."""
+    def over_n(chosen):
+        return index.new_zeros(*index.shape[:-1], N, dtype=torch.bool).scatter_(-1, index, chosen.expand_as(index))
+    return over_n(writes), over_n(reads)
+
+
 def softmax_keys(k_logits: torch.Tensor, log_decay: torch.Tensor, row_topk: int | None):
     """Keys as a softmax over the c rows of each head, and the log-decay that goes with them.
 

@@ -23,7 +23,7 @@ def fla_chunk_gla(q, k, v, g, **kwargs):
 
 
 def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared, k_shared_logits, row_topk,
-                scale, initial_state, output_final_state, cu_seqlens, gla, route_index=None):
+                scale, initial_state, output_final_state, cu_seqlens, gla, log_decay_shared=None, route_index=None):
     B, T, H, c = q.shape
     N, dv = router_logits.shape[-1], v.shape[-1]
     shared = q_shared is not None
@@ -50,7 +50,7 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
         return None if x is None else x.reshape(L, H, -1)
 
     rows = expand(*map(flat, (q, k_logits, v, log_decay)), e, flat(q_shared), flat(k_shared_logits), part, pos,
-                  pos.numel(), row_topk)
+                  pos.numel(), row_topk, flat(log_decay_shared))
     q_rows, k_rows, v_rows, g_rows = (x.view(*gla_shape, -1) for x in rows)
     h0 = None
     if initial_state is not None:  # [S, H, P, c, dv] -> [S, P, H, c, dv], viewed as the GLA wants it
@@ -65,17 +65,17 @@ def _sse_triton(layout, q, k_logits, v, log_decay, router_logits, *, top_k, q_sh
 
 def sse_triton_varlen(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                       row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      route_index=None, gla=fla_chunk_gla):
+                      log_decay_shared=None, route_index=None, gla=fla_chunk_gla):
     return _sse_triton("varlen", q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                        k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla,
-                       route_index=route_index)
+                       log_decay_shared=log_decay_shared, route_index=route_index)
 
 
 def sse_triton_mask(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                     row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    route_index=None, gla=fla_chunk_gla):
+                    log_decay_shared=None, route_index=None, gla=fla_chunk_gla):
     return _sse_triton("mask", q, k_logits, v, log_decay, router_logits, top_k=top_k, q_shared=q_shared,
                        k_shared_logits=k_shared_logits, row_topk=row_topk, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, gla=gla,
-                       route_index=route_index)
+                       log_decay_shared=log_decay_shared, route_index=route_index)

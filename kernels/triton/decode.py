@@ -85,15 +85,16 @@ ROWS = tl.constexpr(VECTOR_ROWS)
 
 
 @triton.jit
-def _token_kernel(q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, vec_ptr, part_ptr, decay_normalizer, H, C, N,
-                  row_q, row_k, row_g, row_e, row_qs, row_ks, K: tl.constexpr, SHARED: tl.constexpr,
-                  SHARED_LORA: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+def _token_kernel(q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, vec_ptr, part_ptr, decay_normalizer, H, C, N,
+                  row_q, row_k, row_g, row_e, row_qs, row_ks, row_gs, K: tl.constexpr, SHARED: tl.constexpr,
+                  SHARED_LORA: tl.constexpr, SHARED_DECAY: tl.constexpr, ROW_TOPK: tl.constexpr,
+                  DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per token, all heads: its keys, decays and q (and the shared partition's) as float32 rows
     vec [B, H, 7, C] (the six vectors, then a row whose first four floats are the int16 bound's largest decay and
     |key|, routed then shared), its K partitions and their router weights part [B, 2K] (weights as float32 bits). Made
     once here, not in each of `_decode_kernel`'s programs (one per head and block of columns): there the
-    softmaxes, reductions and transposes were a fixed cost per program that smaller tiles could not amortise."""
+    softmaxes, reductions and transposes were a fixed cost per program that smaller tiles could not amortise.
+    With SHARED_DECAY the shared partition decays by its own log-decay (or logits) at gs_ptr."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -124,7 +125,12 @@ def _token_kernel(q_ptr, k_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, vec_ptr, part_ptr,
             z_s = (z.to(tl.float32) + z_s.to(tl.float32)).to(k_ptr.dtype.element_ty)
             q_s = (q.to(tl.float32) + q_s.to(tl.float32)).to(q_ptr.dtype.element_ty)
         keys_s, keep_s = softmax_keys(z_s.to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
-        decay_s = tl.exp(tl.where(keep_s, g, 0.0))
+        g_s = g
+        if SHARED_DECAY:
+            g_s = tl.load(gs_ptr + b * row_gs + hc, mask=m, other=0.0).to(tl.float32)
+            if DECAY_LOGITS:
+                g_s = logsigmoid(g_s) / decay_normalizer
+        decay_s = tl.exp(tl.where(keep_s, g_s, 0.0))
         tl.store(out + KEYS_SHARED * C, keys_s, mask=m)
         tl.store(out + DECAY_SHARED * C, decay_s, mask=m)
         tl.store(maxima + 2, tl.max(decay_s, 1), mask=heads < H)
@@ -214,7 +220,7 @@ def check_state_cache(state: torch.Tensor, shape: tuple[int, int, int, int]) -> 
 
 def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None,
                       k_shared_logits=None, row_topk=None, scale=None, out=None, decay_normalizer=None,
-                      shared_lora=False, block_v=None, num_warps=None):
+                      shared_lora=False, log_decay_shared=None, block_v=None, num_warps=None):
     """Same contract as kernels.sse.decode.sse_decode_torch: state [num_slots, H, N + shared, c, d_v] float32 or
     bfloat16, or int16 [num_slots, H, N + shared, c + 4, d_v] (fixed point, `states_to_cache`) (any strides, a
     state's rows contiguous for int16; updated in place); q, k_logits, log_decay, q_shared, k_shared_logits [B, H, c];
@@ -222,7 +228,8 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     into `out` when given. Inputs and `out` may have any token stride (rows of a larger buffer are read in place).
     With `decay_normalizer`, `log_decay` holds decay logits and the kernel takes logsigmoid / normalizer itself.
     With `shared_lora`, q_shared and k_shared_logits are low-rank terms the kernel adds to q and k_logits
-    (kernels.sse.decode.sse_decode_torch). Slot ids must be distinct (two programs writing one state would race).
+    (kernels.sse.decode.sse_decode_torch). `log_decay_shared` [B, H, c]: the shared partition's own log-decay (decay
+    logits with `decay_normalizer`). Slot ids must be distinct (two programs writing one state would race).
     `block_v` (state columns per program) and `num_warps` override the device's launch (kernels/triton/configs.py),
     for sweeps and tests."""
     B, H, C = q.shape
@@ -244,13 +251,15 @@ def sse_decode_triton(state, slot_ids, q, k_logits, v, log_decay, router_logits,
     ptx = state.is_cuda and torch.version.cuda is not None  # NVIDIA's GPUs (not the interpreter's CPU, not ROCm)
     args = [token_rows(x, 1)[0] for x in (q, k_logits, v, log_decay, router_logits)]
     shared_args = [token_rows(x, 1)[0] for x in (q_shared, k_shared_logits)] if shared else args[:2]
+    shared_decay = shared and log_decay_shared is not None
+    shared_args.append(token_rows(log_decay_shared, 1)[0] if shared_decay else args[3])
     if B:
         vec = torch.empty(B, H, VECTOR_ROWS, C, dtype=torch.float32, device=v.device)
         part = torch.empty(B, 2 * top_k, dtype=torch.int32, device=v.device)
         _token_kernel[(B,)](*args[:2], args[3], args[4], *shared_args, vec, part, decay_normalizer or 1.0, H, C, N,
                             *(x.stride(0) for x in (args[0], args[1], args[3], args[4], *shared_args)), top_k,
-                            shared, shared and shared_lora, row_topk or 0, decay_normalizer is not None, pow2(H),
-                            block_c, pow2(N), num_warps=4)
+                            shared, shared and shared_lora, shared_decay, row_topk or 0,
+                            decay_normalizer is not None, pow2(H), block_c, pow2(N), num_warps=4)
         _decode_kernel[(B * H * cdiv(V, block_v),)](
             state, slot_ids.contiguous(), vec, part, args[2], out, scale, H, C, V, N, *state.stride(),
             args[2].stride(0), out.stride(0), top_k, shared, fixed, ptx, block_c, block_v, num_warps=num_warps)

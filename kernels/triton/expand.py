@@ -2,7 +2,8 @@
 
 Every token t owns J rows of the GLA input, at rows pos[t, j], each for a partition part[t, j]:
   0 <= p < N  routed:  (w_p q, w_p softmax_keys(k_logits), v, log_decay masked to the kept key rows)
-  p == N      shared:  (q_shared, softmax_keys(k_shared_logits), v, log_decay masked likewise)
+  p == N      shared:  (q_shared, softmax_keys(k_shared_logits), v, its log-decay masked likewise: the routed
+              partitions' log_decay, or log_decay_shared where the layer gives the shared partition its own)
   p == -1     inactive (mask layout, unselected): (0, 0, v, 0) -- leaves its state and output untouched.
 w = softmax(router_logits) over all N partitions. The varlen layout has J = K + shared rows per token, all
 active, at positions from the counting sort; the mask layout has J = N + shared rows at t * J + j.
@@ -18,7 +19,7 @@ from kernels.triton.common import pow2, router_softmax, softmax_keys
 
 
 @triton.jit
-def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_ptr, pos_ptr,
+def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, gs_ptr, part_ptr, pos_ptr,
                        q_rows, k_rows, v_rows, g_rows, H, C, V, N, J: tl.constexpr, SHARED: tl.constexpr,
                        ROW_TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -39,6 +40,7 @@ def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_p
         q_s = tl.load(qs_ptr + hc, mask=in_c, other=0.0).to(tl.float32)
         keys_s, keep_s = softmax_keys(tl.load(ks_ptr + hc, mask=in_c, other=0.0).to(tl.float32), c < C,
                                       ROW_TOPK, BLOCK_C)
+        g_s = tl.load(gs_ptr + hc, mask=in_c, other=0.0).to(tl.float32)
     for j in tl.static_range(J):
         p = tl.load(part_ptr + t * J + j)
         row = tl.load(pos_ptr + t * J + j).to(tl.int64)
@@ -49,7 +51,7 @@ def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_p
             is_shared = p == N
             q_row = tl.where(is_shared, q_s, q_row)
             k_row = tl.where(is_shared, keys_s, k_row)
-            g_row = tl.where(is_shared, tl.where(keep_s, g, 0.0), g_row)
+            g_row = tl.where(is_shared, tl.where(keep_s, g_s, 0.0), g_row)
         rc = row * H * C + h * C + c
         tl.store(q_rows + rc, q_row.to(q_rows.dtype.element_ty), mask=in_c)
         tl.store(k_rows + rc, k_row.to(k_rows.dtype.element_ty), mask=in_c)
@@ -58,14 +60,15 @@ def _expand_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, e_ptr, qs_ptr, ks_ptr, part_p
 
 
 @triton.jit
-def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos_ptr, dq_rows, dk_rows, dv_rows,
-                       dg_rows, dq_ptr, dk_ptr, dv_ptr, dg_ptr, de_ptr, dqs_ptr, dks_ptr, decay_normalizer, H, C, V, N,
-                       SQ, SK, J: tl.constexpr, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr,
-                       DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, xs_ptr, part_ptr, pos_ptr, dq_rows, dk_rows,
+                       dv_rows, dg_rows, dq_ptr, dk_ptr, dv_ptr, dg_ptr, de_ptr, dqs_ptr, dks_ptr, dgs_ptr,
+                       decay_normalizer, H, C, V, N, SQ, SK, J: tl.constexpr, SHARED: tl.constexpr,
+                       ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, SHARED_DECAY: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     """The row gradients summed back to each token's inputs. With DECAY_LOGITS the log-decay came from decay logits
-    x (log a = logsigmoid(x) / decay_normalizer, x at x_ptr), and dg is taken through that step. The tokens of q
-    and k_logits are SQ and SK apart; every other token tensor is contiguous."""
+    x (log a = logsigmoid(x) / decay_normalizer, x at x_ptr), and dg is taken through that step. With SHARED_DECAY
+    the shared rows' decay gradient goes to the shared partition's own log-decay (dgs_ptr; its logits at xs_ptr)
+    instead of dg. The tokens of q and k_logits are SQ and SK apart; every other token tensor is contiguous."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -88,6 +91,7 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos
                                       ROW_TOPK, BLOCK_C)
         dq_s = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
         dkeys_s = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+        dg_s = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for j in tl.static_range(J):
         p = tl.load(part_ptr + t * J + j)
         row = tl.load(pos_ptr + t * J + j).to(tl.int64)
@@ -106,7 +110,9 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos
             is_shared = p == N
             dq_s += tl.where(is_shared, d_q, 0.0)
             dkeys_s += tl.where(is_shared, d_k, 0.0)
-            dg += tl.where(is_shared & keep_s, d_g, 0.0)
+            dg_s += tl.where(is_shared & keep_s, d_g, 0.0)
+    if SHARED and not SHARED_DECAY:
+        dg += dg_s
     # Softmax backward: dx = y * (dy - sum(y * dy)); keys are 0 off the kept rows, so those get 0.
     tl.store(dk_ptr + hc, (keys * (dkeys - tl.sum(keys * dkeys, 1, keep_dims=True))).to(dk_ptr.dtype.element_ty),
              mask=in_c)
@@ -121,6 +127,10 @@ def _expand_bwd_kernel(q_ptr, k_ptr, e_ptr, qs_ptr, ks_ptr, x_ptr, part_ptr, pos
         tl.store(dqs_ptr + hc, dq_s.to(dqs_ptr.dtype.element_ty), mask=in_c)
         dz_s = keys_s * (dkeys_s - tl.sum(keys_s * dkeys_s, 1, keep_dims=True))
         tl.store(dks_ptr + hc, dz_s.to(dks_ptr.dtype.element_ty), mask=in_c)
+        if SHARED_DECAY:
+            if DECAY_LOGITS:
+                dg_s *= tl.sigmoid(-tl.load(xs_ptr + hc, mask=in_c, other=0.0).to(tl.float32)) / decay_normalizer
+            tl.store(dgs_ptr + hc, dg_s.to(dgs_ptr.dtype.element_ty), mask=in_c)
 
 
 @triton.jit
@@ -159,8 +169,8 @@ def _warps(H, C):
 
 class _Expand(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, num_rows,
-                row_topk):
+    def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared, part, pos,
+                num_rows, row_topk):
         L, H, C = q.shape
         V, N, J = v.shape[-1], router_logits.shape[-1], part.shape[1]
         shared = q_shared is not None
@@ -171,10 +181,13 @@ class _Expand(torch.autograd.Function):
         rows = new(C, q.dtype), new(C, q.dtype), new(V, v.dtype), new(C, torch.float32)
         if L:
             _expand_fwd_kernel[(L,)](q, k_logits, v, log_decay, router_logits, q_shared if shared else q,
-                                     k_shared_logits if shared else k_logits, part, pos, *rows, H, C, V, N, J,
+                                     k_shared_logits if shared else k_logits,
+                                     log_decay if log_decay_shared is None else log_decay_shared, part, pos, *rows,
+                                     H, C, V, N, J,
                                      shared, row_topk or 0, **_blocks(H, C, V, N), num_warps=_warps(H, C))
         ctx.save_for_backward(q, k_logits, router_logits, q_shared, k_shared_logits, part, pos)
         ctx.shapes, ctx.row_topk, ctx.dtypes = (L, H, C, V, N, J), row_topk, (v.dtype, log_decay.dtype)
+        ctx.shared_decay = log_decay_shared is not None
         return rows
 
     @staticmethod
@@ -187,13 +200,16 @@ class _Expand(torch.autograd.Function):
         dv = torch.empty(L, H, V, dtype=v_dtype, device=q.device)
         dg = torch.empty(L, H, C, dtype=g_dtype, device=q.device)
         dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
+        dgs = torch.empty_like(dg) if ctx.shared_decay else None
         if L:
             grads = [x.contiguous() for x in (dq_rows, dk_rows, dv_rows, dg_rows)]
             _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
-                                     k_shared_logits if shared else k_logits, dg, part, pos, *grads, dq, dk, dv, dg,
-                                     de, dqs if shared else dq, dks if shared else dk, 1.0, H, C, V, N, H * C, H * C,
-                                     J, shared, ctx.row_topk or 0, False, **_blocks(H, C, V, N), num_warps=_warps(H, C))
-        return dq, dk, dv, dg, de, dqs, dks, None, None, None, None
+                                     k_shared_logits if shared else k_logits, dg, dg, part, pos, *grads, dq, dk, dv,
+                                     dg, de, dqs if shared else dq, dks if shared else dk,
+                                     dg if dgs is None else dgs, 1.0, H, C, V, N, H * C, H * C, J, shared,
+                                     ctx.row_topk or 0, False, ctx.shared_decay, **_blocks(H, C, V, N),
+                                     num_warps=_warps(H, C))
+        return dq, dk, dv, dg, de, dqs, dks, dgs, None, None, None, None
 
 
 class _Collect(torch.autograd.Function):
@@ -218,8 +234,10 @@ class _Collect(torch.autograd.Function):
         return drows, None, None
 
 
-def expand(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, num_rows, row_topk):
-    """GLA input rows (q, k, v, g) [num_rows, H, *] from token inputs [L, H, *] and router logits [L, N].
+def expand(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, num_rows, row_topk,
+           log_decay_shared=None):
+    """GLA input rows (q, k, v, g) [num_rows, H, *] from token inputs [L, H, *] and router logits [L, N]; the shared
+    rows' log-decay is `log_decay_shared` where given.
 
     part, pos [L, J] int32: partition (N = shared, -1 = inactive) and row of each of a token's J rows; every
     row must be covered exactly once. Differentiable in all float inputs.
@@ -227,7 +245,8 @@ def expand(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, 
     def flat(x):
         return None if x is None else x.contiguous()
 
-    return _Expand.apply(*map(flat, (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits)),
+    return _Expand.apply(*map(flat, (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
+                                     log_decay_shared)),
                          part.contiguous(), pos.contiguous(), num_rows, row_topk)
 
 

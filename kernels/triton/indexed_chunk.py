@@ -114,13 +114,14 @@ def _scores(q, k, b, dtype, BT: tl.constexpr):
 
 
 @triton.jit
-def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr, decay_normalizer, H, C, SK,
-                 SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
+def _keys_kernel(k_ptr, ks_ptr, g_ptr, gs_in_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr, decay_normalizer, H, C,
+                 SK, SHARED: tl.constexpr, ROW_TOPK: tl.constexpr, DECAY_LOGITS: tl.constexpr,
+                 SHARED_DECAY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per token, all heads: keys = softmax_keys(k_logits) (and the shared partition's), and where the chunk
     kernels cannot read g as given, the log-decay they read: from decay logits (logsigmoid(x) / decay_normalizer)
     and / or masked to the kept rows (row-sparse; the shared keys keep rows of their own, so their decay is
-    masked on its own). Computed once per call instead of in every chunk kernel. k_logits' tokens are SK apart."""
+    masked on its own). With SHARED_DECAY the shared partition's decay is its own input (gs_in_ptr), made the same
+    way. Computed once per call instead of in every chunk kernel. k_logits' tokens are SK apart."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
@@ -137,7 +138,13 @@ def _keys_kernel(k_ptr, ks_ptr, g_ptr, keys_ptr, keys_s_ptr, g_out_ptr, g_s_ptr,
     if SHARED:
         keys, keep = softmax_keys(tl.load(ks_ptr + hc, mask=m, other=0.0).to(tl.float32), c < C, ROW_TOPK, BLOCK_C)
         tl.store(keys_s_ptr + hc, keys.to(keys_s_ptr.dtype.element_ty), mask=m)
-        if ROW_TOPK > 0:
+        if SHARED_DECAY:
+            if DECAY_LOGITS or ROW_TOPK > 0:
+                g_s = tl.load(gs_in_ptr + hc, mask=m, other=0.0).to(tl.float32)
+                if DECAY_LOGITS:
+                    g_s = logsigmoid(g_s) / decay_normalizer
+                tl.store(g_s_ptr + hc, tl.where(keep, g_s, 0.0), mask=m)
+        elif ROW_TOPK > 0:
             tl.store(g_s_ptr + hc, tl.where(keep, g, 0.0), mask=m)
 
 
@@ -326,28 +333,32 @@ def _dq_dk_dg_kernel(row_token_ptr, cu_ptr, chunk_first_ptr, chunk_group_ptr, q_
     tl.store(dg_ptr + hc, dg, mask=m)
 
 
-def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk, decay_normalizer,
-                 strides):
+def _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared, row_topk,
+                 decay_normalizer, strides):
     """The token tensors every chunk kernel builds its rows from: (q, keys, g, router logits, q_shared,
-    shared keys, shared g), one `_keys_kernel` launch; log_decay holds decay logits when `decay_normalizer` is
-    given. Without a shared partition the shared slots repeat the routed ones (never read). `strides`: the token
-    strides of q, k_logits and v (`token_rows`); all else is contiguous."""
+    shared keys, shared g), one `_keys_kernel` launch; log_decay (and log_decay_shared, the shared partition's own
+    where given) hold decay logits when `decay_normalizer` is given. Without a shared partition the shared slots
+    repeat the routed ones (never read). `strides`: the token strides of q, k_logits and v (`token_rows`); all else
+    is contiguous."""
     H, C = k_logits.shape[-2:]
     L = k_logits.numel() // (H * C)
     shared, made_g = q_shared is not None, decay_normalizer is not None or bool(row_topk)
+    shared_decay = log_decay_shared is not None
+    made_gs = shared and (bool(row_topk) or (shared_decay and made_g))
     # g in q's dtype, as fla's GLA layer hands chunk_gla its log-decays: the chunk kernels sum it in float32 (b), and
     # it is read K + 1 times per token by five kernels. All made tensors are one allocation (one op, not four).
-    buffers = iter(torch.empty(1 + made_g + shared + (shared and bool(row_topk)), *k_logits.shape, dtype=q.dtype,
+    buffers = iter(torch.empty(1 + made_g + shared + made_gs, *k_logits.shape, dtype=q.dtype,
                                device=q.device).unbind(0))
     keys = next(buffers)
     g = next(buffers) if made_g else log_decay
     keys_s = next(buffers) if shared else keys
-    # without row-sparse keys the shared rows decay as the routed ones
-    g_s = next(buffers) if shared and row_topk else g
+    # without row-sparse keys the shared rows decay as given: as the routed ones, or by their own log-decay
+    g_s = next(buffers) if made_gs else log_decay_shared if shared_decay else g
     if L:
-        _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay, keys, keys_s, g, g_s,
+        _keys_kernel[(L,)](k_logits, k_shared_logits if shared else k_logits, log_decay,
+                           log_decay_shared if shared_decay else log_decay, keys, keys_s, g, g_s,
                            decay_normalizer or 1.0, H, C, strides[1], shared, row_topk or 0,
-                           decay_normalizer is not None, pow2(H), pow2(C), num_warps=_warps(H, C))
+                           decay_normalizer is not None, shared_decay, pow2(H), pow2(C), num_warps=_warps(H, C))
     return _sources(q, keys, g, router_logits, q_shared, keys_s, g_s)
 
 
@@ -372,8 +383,8 @@ def _chunk_grid(tables, H, V, launch):
 
 class _IndexedChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables,
-                scale, row_topk, chunk_size, decay_normalizer, final_returned, replayed):
+    def forward(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared,
+                initial_state, tables, scale, row_topk, chunk_size, decay_normalizer, final_returned, replayed):
         # [B, T, H, -1] in and out, read as token rows [B * T, H, -1], nothing reshaped (each reshape or view is host
         # work, and the SSE layer's host time bounds short training steps). q, k_logits and v may be
         # column blocks of a wider tensor (`token_rows`: the SSE layer's projections are one GEMM); the rest, made
@@ -382,23 +393,24 @@ class _IndexedChunk(torch.autograd.Function):
         # computes nothing and returns the first forward's o.
         (q, sq), (k_logits, sk), (v, sv) = (token_rows(t) for t in (q, k_logits, v))
         strides = (sq, sk, sv)
-        log_decay, router_logits, q_shared, k_shared_logits = (
-            None if t is None else t.contiguous() for t in (log_decay, router_logits, q_shared, k_shared_logits))
+        log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared = (
+            None if t is None else t.contiguous()
+            for t in (log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared))
         if replayed:
             o, final, kept = replayed[0].detach(), None, (None,) * 6
         else:
             o, final, kept = _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
-                                      initial_state, tables, scale, row_topk, chunk_size, decay_normalizer,
-                                      final_returned, strides, may_keep=replayed is None)
-        saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                         *kept, *tables[:6])
+                                      log_decay_shared, initial_state, tables, scale, row_topk, chunk_size,
+                                      decay_normalizer, final_returned, strides, may_keep=replayed is None)
+        saved_views.save(ctx, q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared,
+                         initial_state, *kept, *tables[:6])
         ctx.rest = (*tables[6:], scale, row_topk, chunk_size, decay_normalizer, strides, final_returned)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, h, final, keys, g,
-         keys_s, gs, *index) = saved_views.saved(ctx)
+        (q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared, initial_state, h,
+         final, keys, g, keys_s, gs, *index) = saved_views.saved(ctx)
         S, P, scale, row_topk, chunk_size, decay_normalizer, strides, final_returned = ctx.rest
         sq, _, sv = strides
         row_token, cu, chunk_first, chunk_group, part, pos = index
@@ -407,8 +419,8 @@ class _IndexedChunk(torch.autograd.Function):
         V, N, G, NC, R = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel(), row_token.numel()
         do = do.contiguous()
         if h is None:  # not kept (KEPT_BYTES, or the first forward of a checkpointed call): made as the forward did
-            sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                                   decay_normalizer, strides)
+            sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits,
+                                   log_decay_shared, row_topk, decay_normalizer, strides)
             h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
                                 exact_last=final_returned)
         else:
@@ -429,14 +441,14 @@ class _IndexedChunk(torch.autograd.Function):
             *index, q_, keys, v, g, e, qs, keys_s, gs, do, h, final, dh, dq_rows, dk_rows, dg_rows, G, NC, H, C, V, N,
             P, sq, sv, scale, **launch)
         del h, dh, sources
-        grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos,
-                             (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
+        grads = _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared,
+                             part, pos, (dq_rows, dk_rows, dv_rows, dg_rows), row_topk, decay_normalizer, strides)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
         return (*grads, dh0, None, None, None, None, None, None, None)
 
 
-def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state, tables, scale,
-             row_topk, chunk_size, decay_normalizer, final_returned, strides, may_keep):
+def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared, initial_state,
+             tables, scale, row_topk, chunk_size, decay_normalizer, final_returned, strides, may_keep):
     """`_IndexedChunk.forward`'s computation: (o [B, T, H, V], the final states, what the backward would otherwise
     make again -- per-chunk states, final states, `_keys_kernel`'s keys and log-decays -- where `may_keep` and they
     take at most KEPT_BYTES beyond the inputs, else Nones)."""
@@ -445,8 +457,8 @@ def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits
     sq, _, sv = strides
     row_token, cu, chunk_first, chunk_group, part, pos, S, P = tables
     V, N, G, NC = v.shape[-1], router_logits.shape[-1], cu.numel() - 1, chunk_group.numel()
-    sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, row_topk,
-                           decay_normalizer, strides)
+    sources = _row_sources(q, k_logits, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared,
+                           row_topk, decay_normalizer, strides)
     # The final state is read again only by the backward, for the last chunk's state term, where the other
     # chunks' states are bf16 anyway: exact (float32 updates) only where the caller gets it.
     h, final = _chained(sources, sq, v, sv, initial_state, tables, scale, chunk_size, query=False,
@@ -457,7 +469,8 @@ def _forward(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits
     _output_kernel[_chunk_grid(tables, H, V, launch)](
         row_token, cu, chunk_first, chunk_group, q_, keys, v, g, e, qs, keys_s, gs, h, o_rows, G, NC, H, C, V, N,
         P, sq, sv, scale, **launch)
-    made = {id(t): t for t in (keys, g, keys_s, gs) if t is not log_decay}.values()  # _keys_kernel's outputs
+    made = {id(t): t for t in (keys, g, keys_s, gs)
+            if t is not log_decay and t is not log_decay_shared}.values()  # _keys_kernel's outputs
     keep = may_keep and h.numel() * h.element_size() + sum(t.numel() * t.element_size() for t in made) <= KEPT_BYTES
     kept = (h, final, keys, g, keys_s, gs) if keep else (None,) * 6
     del sources, made, h, keys, g, keys_s, gs  # freed here unless kept
@@ -497,8 +510,8 @@ def _chained(sources, sq, x, sx, init, tables, scale, chunk_size, query, exact_l
     return states, last
 
 
-def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, part, pos, row_grads,
-                 row_topk, decay_normalizer, strides):
+def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, log_decay_shared, part, pos,
+                 row_grads, row_topk, decay_normalizer, strides):
     """The row gradients summed back to the token inputs, through the softmaxes (and the decay logits' logsigmoid)
     (expand.py's backward)."""
     H, C = q.shape[-2:]
@@ -508,13 +521,17 @@ def _token_grads(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_lo
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k_logits, v))
     dg, de = torch.empty_like(log_decay), torch.empty_like(router_logits)
     dqs, dks = (torch.empty_like(q_shared), torch.empty_like(k_shared_logits)) if shared else (None, None)
+    shared_decay = log_decay_shared is not None
+    dgs = torch.empty_like(log_decay_shared) if shared_decay else None
     if L:
         _expand_bwd_kernel[(L,)](q, k_logits, router_logits, q_shared if shared else q,
-                                 k_shared_logits if shared else k_logits, log_decay, part, pos, *row_grads, dq, dk,
-                                 dv, dg, de, dqs if shared else dq, dks if shared else dk, decay_normalizer or 1.0, H,
-                                 C, V, N, strides[0], strides[1], J, shared, row_topk or 0,
-                                 decay_normalizer is not None, **_blocks(H, C, V, N), num_warps=_warps(H, C))
-    return dq, dk, dv, dg, de, dqs, dks
+                                 k_shared_logits if shared else k_logits, log_decay,
+                                 log_decay_shared if shared_decay else log_decay, part, pos, *row_grads, dq, dk,
+                                 dv, dg, de, dqs if shared else dq, dks if shared else dk, dgs if shared_decay else dg,
+                                 decay_normalizer or 1.0, H, C, V, N, strides[0], strides[1], J, shared,
+                                 row_topk or 0, decay_normalizer is not None, shared_decay, **_blocks(H, C, V, N),
+                                 num_warps=_warps(H, C))
+    return dq, dk, dv, dg, de, dqs, dks, dgs
 
 
 def index_tables(router_logits, bounds, top_k, shared, chunk_size):
@@ -535,11 +552,13 @@ def _batch_bounds(B: int, T: int, device: torch.device) -> torch.Tensor:
 
 def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_shared=None, k_shared_logits=None,
                        row_topk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       decay_normalizer=None, replay=None, route_index=None, chunk_size=CHUNK):
-    """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay holds the decay
-    logits, with `replay` (a `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's
-    tables and output (see there), and with `route_index` [B, T, K] the tables route to those partitions (the
-    kernels still weigh them by the softmax of `router_logits`)."""
+                       decay_normalizer=None, replay=None, log_decay_shared=None, route_index=None,
+                       chunk_size=CHUNK):
+    """`kernels.sse_attention` on the indexed chunk kernels; with `decay_normalizer`, log_decay (and
+    log_decay_shared, the shared partition's own) holds the decay logits, with `replay` (a
+    `kernels.CheckpointReplay`) a checkpoint's recomputation takes the first forward's tables and output (see
+    there), and with `route_index` [B, T, K] the tables route to those partitions (the kernels still weigh them by
+    the softmax of `router_logits`)."""
     B, T, H, c = q.shape
     scale = c**-0.5 if scale is None else scale
     # A caller that wants the final state gets it computed.
@@ -551,8 +570,9 @@ def sse_triton_indexed(q, k_logits, v, log_decay, router_logits, *, top_k, q_sha
         chosen = router_logits if route_index is None else selection_scores(route_index, router_logits.shape[-1])
         tables = index_tables(chosen, bounds, top_k, q_shared is not None, chunk_size)
     replayed = None if slot is None else (o,) if slot.kept is not None else ()
-    o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits, initial_state,
-                                   tables, scale, row_topk, chunk_size, decay_normalizer, output_final_state, replayed)
+    o, final = _IndexedChunk.apply(q, k_logits, v, log_decay, router_logits, q_shared, k_shared_logits,
+                                   log_decay_shared, initial_state, tables, scale, row_topk, chunk_size,
+                                   decay_normalizer, output_final_state, replayed)
     if slot is not None and slot.kept is None:
         slot.keep(tables, o.detach())
     return o, (final if output_final_state else None)

@@ -14,6 +14,7 @@ prefills of a batch, from and to the slot states) and `kernels.sse_decode` (one 
 What this file takes from vLLM is its public model API; every reach past it is in `sse_model.vllm.seams`.
 """
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -63,10 +64,14 @@ PREFILL_STATES_BYTES = 1 << 30
 # (vLLM parameter, checkpoint parameter, shard): the only names that differ from the HF checkpoint. The first match
 # wins, so the SSE layer's q/k/v (stacked with its gate) come before the attention layer's.
 STACKED_PARAMS = [
+    # the shared partition's own decay gate (`sse_shared_decay`): the last code and the last up-projection
+    ("linear_attn.in_proj", "linear_attn.shared_decay_down", -1),
+    ("linear_attn.low_rank_up", "linear_attn.shared_decay_up", -1),
     ("linear_attn.in_proj", "linear_attn.q_proj", 0),
     ("linear_attn.in_proj", "linear_attn.k_proj", 1),
     ("linear_attn.in_proj", "linear_attn.v_proj", 2),
     ("linear_attn.in_proj", "linear_attn.g_proj", 3),
+    ("linear_attn.in_proj", "linear_attn.gate_up", 3),  # a low-rank gate's bias (its weights: `LOW_RANK_GATE`)
     ("linear_attn.in_proj", "linear_attn.decay_down", 4),
     ("linear_attn.in_proj", "linear_attn.q_shared_down", 5),
     ("linear_attn.in_proj", "linear_attn.k_shared_down", 6),
@@ -79,6 +84,11 @@ STACKED_PARAMS = [
     (".low_rank_up", ".q_shared_up", 1),
     (".low_rank_up", ".k_shared_up", 2),
 ]
+
+
+# A low-rank output gate's factors (`sse_output_gate_rank`), loaded as their product W_up W_down into in_proj's gate
+# part, as the HF model's fused projections take it: the gate stays one column block of the stacked GEMM.
+LOW_RANK_GATE = re.compile(r"(.*\.linear_attn)\.gate_(down|up)\.weight")
 
 
 class MergedColumnLinear(MergedColumnParallelLinear):
@@ -102,6 +112,12 @@ class MergedColumnLinear(MergedColumnParallelLinear):
         tp = get_tensor_model_parallel_world_size()
         sizes = sizes[:len(sizes) - replicated] + [size * tp for size in sizes[len(sizes) - replicated:]]
         super().__init__(input_size, sizes, bias=any(biased), prefix=prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None):
+        """vLLM's loader (biases load with it), taking part -1 as the last too."""
+        if loaded_shard_id is not None:
+            loaded_shard_id %= len(self.output_sizes)
+        super().weight_loader(param, loaded_weight, loaded_shard_id)
 
     def weight_loader_v2(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
         """The weight's loader (vLLM loads the bias with `weight_loader`)."""
@@ -156,6 +172,10 @@ def check_servable(config: SSEConfig, vllm_config: VllmConfig) -> None:
     tp = vllm_config.parallel_config.tensor_parallel_size
     if SSE_LAYER in config.layer_types and config.sse_num_heads % tp:
         bad("sse_num_heads", f"{config.sse_num_heads} is not divisible by tensor_parallel_size={tp}")
+    if config.sse_read_top_k is not None and (vllm_config.device_config.device_type != "cpu"
+                                              or config.sse_decode_impl == "triton"):
+        bad("sse_num_readers", f"{config.sse_num_readers} != sse_top_k={config.sse_top_k} runs on the torch SSE "
+            f"paths only (the CPU engine): the Triton kernels read the partitions they write")
     if ATTENTION_LAYER in config.layer_types:
         if config.num_attention_heads % tp:
             bad("num_attention_heads", f"{config.num_attention_heads} is not divisible by tensor_parallel_size={tp}")
@@ -285,8 +305,14 @@ class SSELinearAttention(nn.Module):
         # every decode step (`python -m bench.rollouts`).
         qkv_bias = config.sse_qkv_bias
         self.lora = config.sse_shared_partition and config.sse_lora_rank > 0
+        self.shared_decay = config.sse_shared_decay
+        self.activation = sse_math.qv_activation(config.sse_qv_activation)
+        # Whether the shared partition's q and key logits reach the op as low-rank terms, which the decode kernel
+        # adds to q and k itself; with a q / v activation they are summed (and activated) first (`_activated`).
+        self.lora_terms = self.lora and config.sse_qv_activation == "none"
         r = config.sse_lora_rank
-        code_sizes = [config.sse_decay_rank] + ([r, r] if self.lora else [])
+        code_sizes = ([config.sse_decay_rank] + ([r, r] if self.lora else [])
+                      + ([config.sse_decay_rank] if self.shared_decay else []))
         self.in_proj = MergedColumnLinear(D, [H * c, H * c, H * dv, H * dv, *code_sizes],
                                           [qkv_bias, qkv_bias, qkv_bias, config.sse_gate_bias]
                                           + [False] * len(code_sizes),
@@ -299,12 +325,13 @@ class SSELinearAttention(nn.Module):
         # vLLM's `linear_attention` signature.
         self.router = ReplicatedLinear(D, config.sse_num_partitions, bias=False, params_dtype=torch.float32,
                                        prefix=f"{prefix}.router")
+        # only the decay gates' up-projections have a bias
         self.low_rank_up = MergedColumnLinear(sum(code_sizes), [H * c] * len(code_sizes),
-                                              [True] + [False] * (len(code_sizes) - 1),  # only decay_up has a bias
+                                              [True] + [False] * 2 * self.lora + [True] * self.shared_decay,
                                               input_sizes=code_sizes, prefix=f"{prefix}.low_rank_up")
         self.o_norm = RMSNorm(dv, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
-        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk,
+        self.ops = dict(top_k=config.sse_top_k, row_topk=config.sse_row_topk, read_top_k=config.sse_read_top_k,
                         decay_normalizer=config.sse_decay_normalizer)  # "log_decay" holds the decay logits
         self.prefill_impl = config.sse_impl
         self.decode_impl = config.sse_decode_impl
@@ -354,18 +381,36 @@ class SSELinearAttention(nn.Module):
         width = sum(self.in_proj.output_partition_sizes)
         projected, router = hidden_states[:num_tokens, :width], hidden_states[:num_tokens, width:]
         q, k, v = projected.split(self.in_proj.output_partition_sizes, -1)[:3]
-        decay, *lora = self.low_rank_up(projected[:, self.codes])[0].split(self.low_rank_up.output_partition_sizes,
-                                                                            -1)
+        decay, *low_rank = self.low_rank_up(projected[:, self.codes])[0].split(
+            self.low_rank_up.output_partition_sizes, -1)
 
         def heads(t):
             return t.view(num_tokens, self.num_heads, -1)
         inputs = dict(q=heads(q), k_logits=heads(k), v=heads(v), log_decay=heads(decay),
                       router_logits=router.view(torch.float32))
+        if self.shared_decay:
+            inputs["log_decay_shared"] = heads(low_rank.pop())
         if self.route_recorder is not None:
             self.route_recorder.write(self.route_layer, inputs["router_logits"])
         if self.config.sse_shared_partition:  # with low-rank terms, their sums with q and k are taken later
-            inputs["q_shared"], inputs["k_shared_logits"] = map(heads, lora if self.lora else (q, k))
+            inputs["q_shared"], inputs["k_shared_logits"] = map(heads, low_rank if self.lora else (q, k))
+        if self.config.sse_qv_activation != "none":
+            inputs = self._activated(inputs)
         self._recur(inputs, metadata, state, output)
+
+    def _activated(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs with the q / v activation (`sse_qv_activation`): on q, v and the shared partition's q, which
+        is q's sum with its low-rank term taken first (the activation is applied after it), so the shared inputs are
+        whole and not low-rank terms (`self.lora_terms`)."""
+        act = self.activation
+        out = dict(inputs, q=act(inputs["q"]), v=act(inputs["v"]))
+        if "q_shared" in inputs:
+            q_shared, k_shared = inputs["q_shared"], inputs["k_shared_logits"]
+            if self.lora:
+                q_shared = sse_math.shared_partition(inputs["q"], q_shared)
+                k_shared = sse_math.shared_partition(inputs["k_logits"], k_shared)
+            out.update(q_shared=act(q_shared), k_shared_logits=k_shared)
+        return out
 
     def _recur(self, inputs: dict[str, torch.Tensor], metadata: SSEStateMetadata, state: torch.Tensor,
                output: torch.Tensor) -> None:
@@ -380,7 +425,7 @@ class SSELinearAttention(nn.Module):
         nd, npf = metadata.num_decodes, metadata.num_prefills
         if nd:
             step = {name: t[:nd] for name, t in inputs.items()}
-            kernels.sse_decode(state, slots[:nd], **step, **self.ops, shared_lora=self.lora, out=output[:nd],
+            kernels.sse_decode(state, slots[:nd], **step, **self.ops, shared_lora=self.lora_terms, out=output[:nd],
                                impl=self.decode_impl)
         offsets, start = metadata.prefill_token_offsets, metadata.num_decode_tokens
         for first in range(0, npf, self.prefill_group):  # bounded state memory per group (PREFILL_STATES_BYTES)
@@ -389,7 +434,7 @@ class SSELinearAttention(nn.Module):
             qsl = metadata.query_start_loc[nd + first:nd + last + 1]
             prefill_slots = slots[nd + first:nd + last].long()
             prefill = {name: t[tokens][None] for name, t in inputs.items()}
-            if self.lora:
+            if self.lora_terms:
                 prefill["q_shared"] = sse_math.shared_partition(prefill["q"], prefill["q_shared"])
                 prefill["k_shared_logits"] = sse_math.shared_partition(prefill["k_logits"], prefill["k_shared_logits"])
             has_state = metadata.prefill_has_state[first:last]
@@ -458,8 +503,8 @@ class SSEModel(nn.Module):
 class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
                               "in_proj": ["q_proj", "k_proj", "v_proj", "g_proj", "decay_down", "q_shared_down",
-                                          "k_shared_down"],
-                              "low_rank_up": ["decay_up", "q_shared_up", "k_shared_up"]}
+                                          "k_shared_down", "shared_decay_down"],
+                              "low_rank_up": ["decay_up", "q_shared_up", "k_shared_up", "shared_decay_up"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -522,9 +567,18 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
             loaded.add(target)
 
+        gate_factors: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             if tied and name == "lm_head.weight":
                 continue  # the head is the embedding
+            if gate := LOW_RANK_GATE.fullmatch(name):
+                factors = gate_factors.setdefault(gate[1], {})
+                factors[gate[2]] = tensor
+                if len(factors) == 2:
+                    product = factors["up"].float() @ factors["down"].float()
+                    load(f"{gate[1]}.in_proj.weight", product.to(tensor.dtype), 3)
+                    del gate_factors[gate[1]]
+                continue
             for param_name, weight_name, shard in STACKED_PARAMS:
                 if weight_name in name:
                     load(name.replace(weight_name, param_name), tensor, shard)
@@ -535,6 +589,9 @@ class SSEForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 # The head shares the embedding's Parameter but is a layer of its own, which a reload restores,
                 # loads and repacks (CPU build) separately: it must get the tensor too or it keeps the old one.
                 load("lm_head.weight", tensor)
+        if gate_factors:
+            raise KeyError(f"a low-rank output gate needs both factors in one load: only {sorted(gate_factors)}'s "
+                           f"{[sorted(f) for f in gate_factors.values()]}")
         # From the first load on, weights change only through a reload. (Set here rather than in the model-level
         # process_weights_after_loading hook, which vLLM 0.25 never calls.)
         self._serving = True
