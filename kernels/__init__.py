@@ -12,6 +12,7 @@ the SSE layer is built from.
 
     p = sse_input_projections(x, heads, ProjectionWeights(...), pad=pad, recipes=recipes)  # kernels/modules/
     with recomputed_when_saved(recipes): ...          # cheap saved activations made again in the backward
+    aux, usage = balance_loss(stacked_router_logits, K, token_mask)   # the routers' balance term
     replay = CheckpointReplay()                       # the operator's recomputation under checkpoint, replayed:
     checkpoint(partial(layer, replay=replay), x, use_reentrant=False, context_fn=replay.contexts)
 
@@ -40,7 +41,9 @@ from kernels.modules import (
     sse_input_projections,
 )
 from kernels.sse.decode import cache_rows, states_from_cache, states_to_cache
+from kernels.sse.routing import balance_loss, replayed_selection
 
-__all__ = ["IMPLEMENTATIONS", "CheckpointReplay", "ProjectionWeights", "SSEProjections", "cache_rows",
-           "float32_router", "norm_gate", "read_states", "recomputed_when_saved", "rms_norm", "sse_attention",
-           "sse_decode", "sse_input_projections", "states_from_cache", "states_to_cache", "write_states"]
+__all__ = ["CheckpointReplay", "IMPLEMENTATIONS", "ProjectionWeights", "SSEProjections", "balance_loss", "cache_rows",
+           "float32_router", "norm_gate", "read_states", "recomputed_when_saved", "replayed_selection", "rms_norm",
+           "sse_attention", "sse_decode", "sse_input_projections", "states_from_cache", "states_to_cache",
+           "write_states"]

@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 import kernels
-from sse_model import sse_math
+from sse_model import packing, sse_math
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER, SSEConfig
 
 
@@ -117,7 +117,7 @@ class SSEAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         dropout = self.attention_dropout if self.training else 0.0
-        if sequence_slots is not None:  # packed rows under SDPA (attends_per_sequence)
+        if sequence_slots is not None:  # packed rows under SDPA (packing.attends_per_sequence)
             o = self._per_sequence(attention_interface, q, k, v, sequence_slots, dropout)
         else:
             o, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout, **kwargs)
@@ -259,7 +259,7 @@ class SSELayer(nn.Module):
     def forward(self, x, *, token_mask=None, cu_seqlens=None, past_key_values=None, replay=None, route_index=None):
         """`replay`: a `kernels.CheckpointReplay` when this call runs inside torch's checkpoint with its contexts
         (`SSEModel.forward`), which lets the operator's recomputation replay the first forward. `route_index`
-        [B, T, K]: the partitions each token selects (partition replay, `replayed_selection`), whole sequences
+        [B, T, K]: the partitions each token selects (partition replay, `kernels.replayed_selection`), whole sequences
         only."""
         recipes = []
         inputs, gate = self.project(x, token_mask, recipes)
@@ -271,7 +271,7 @@ class SSELayer(nn.Module):
             o = kernels.sse_decode(state, slots, **step, **self.ops, impl=self.config.sse_decode_impl)[:, None]
         else:
             if route_index is not None:
-                route_index = replayed_selection(route_index, inputs["router_logits"], self.ops["top_k"])
+                route_index = kernels.replayed_selection(route_index, inputs["router_logits"], self.ops["top_k"])
             with kernels.recomputed_when_saved(recipes):
                 o, final = kernels.sse_attention(**inputs, **self.ops, initial_state=state,
                                                  output_final_state=past_key_values is not None,
@@ -329,73 +329,6 @@ class SSECache(DynamicCache):
         """[B, H, N + shared, c, d_v] float32 state of an SSE layer, or None before its first forward."""
         layer = self.layers[layer_idx]
         return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
-
-
-def replayed_selection(routes: torch.Tensor, router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The partitions [B, T, K] each token selects under partition replay: `routes` [B, T, K], the rollout
-    engine's choice, where it has one, and the top-K of the layer's own router logits where it has none (-1: a
-    token the engine never computed, such as a completion's last, or padding)."""
-    own = router_logits.topk(top_k, -1).indices
-    return torch.where(routes[..., :1] >= 0, routes.to(own.dtype), own)
-
-
-def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None,
-                 chosen_index: torch.Tensor | None = None, norm: str = "mean_over_layers"):
-    """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers ("mean_over_layers")
-    or summed over layers and divided by K ("sum_over_layers_div_k": the SSE authors' aux loss, flash-linear-attention
-    PR #882 at 741fbbf, fla/layers/sse.py and fla/models/sse/modeling_sse.py), and the usage f [layers, N] for
-    logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go: per layer, these
-    ~15 small ops each way were a visible share of the training step's host time).
-
-    f_i is the fraction of tokens routed to partition i (sums to K, the partitions written), P_i the mean router
-    probability; the choice is the top-K of the logits, or `chosen_index` [layers, B, T, K] where the caller has it
-    already."""
-    N = router_logits.shape[-1]
-    logits = router_logits.reshape(router_logits.shape[0], -1, N)
-    probs = torch.softmax(logits.float(), -1)
-    index = logits.topk(top_k, -1).indices if chosen_index is None else chosen_index.reshape(*logits.shape[:2], -1)
-    chosen = torch.zeros_like(probs).scatter_(-1, index, 1.0)
-    if token_mask is None:
-        usage, mean_prob = chosen.mean(1), probs.mean(1)
-    else:
-        weight = token_mask.reshape(1, -1, 1).float()
-        count = weight.sum().clamp(min=1)
-        usage, mean_prob = (chosen * weight).sum(1) / count, (probs * weight).sum(1) / count
-    per_layer = N * (usage * mean_prob).sum(-1)
-    total = per_layer.mean() if norm == "mean_over_layers" else per_layer.sum() / top_k
-    return total, usage.detach()
-
-
-def attends_per_sequence(config, cu_seqlens, token_mask) -> bool:
-    """Packed rows with nothing padded, under SDPA, go to `SSEAttention._per_sequence` instead of through the
-    [L, L] document mask that create_causal_mask would build for them (SDPA computes every masked pair too). Flash
-    attention reads packed rows from the position ids and flex attention gets a block mask: those keep the
-    library's path."""
-    return cu_seqlens is not None and token_mask is None and config._attn_implementation == "sdpa"
-
-
-def packed_row_slots(cu_seqlens: torch.Tensor, L: int) -> tuple[torch.Tensor, int, int]:
-    """Where each of a packed row's L tokens goes when its sequences are right-padded into a batch of their own:
-    (row of the [sequences * longest] layout per token, number of sequences, longest), once per forward for every
-    attention layer."""
-    lengths = cu_seqlens.diff()
-    S, longest = lengths.numel(), int(lengths.max())
-    sequence = torch.repeat_interleave(torch.arange(S, device=cu_seqlens.device), lengths, output_size=L)
-    return sequence * longest + torch.arange(L, device=cu_seqlens.device) - cu_seqlens[sequence], S, longest
-
-
-def packed_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """cu_seqlens of sequences packed into one row (position ids restarting at 0, as TRL's padding-free
-    collator makes), or None when the row holds one sequence."""
-    if position_ids is None or position_ids.shape[0] != 1:
-        return None
-    starts = (position_ids[0] == 0).nonzero().squeeze(1)
-    if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
-        return None
-    T = position_ids.shape[1]
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    return torch.cat([starts, starts.new_tensor([T])])
 
 
 @dataclass
@@ -470,7 +403,7 @@ class SSEModel(SSEPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past_len, past_len + T, device=x.device)[None].expand(B, -1)
-        cu_seqlens = packed_segments(position_ids) if packable else None
+        cu_seqlens = packing.packed_segments(position_ids) if packable else None
 
         # position_ids reach the attention function too: flash attention reads packed rows from them.
         layer_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids, cu_seqlens=cu_seqlens,
@@ -480,8 +413,8 @@ class SSEModel(SSEPreTrainedModel):
             # create_causal_mask looks for packed rows only when given neither a 2D mask nor a cache, so it gets
             # the mask only when something is padded and the cache only once it holds tokens: the choices the SSE
             # layers make too (token_mask, cu_seqlens).
-            if attends_per_sequence(self.config, cu_seqlens, token_mask):
-                layer_kwargs.update(attention_mask=None, sequence_slots=packed_row_slots(cu_seqlens, T))
+            if packing.attends_per_sequence(self.config, cu_seqlens, token_mask):
+                layer_kwargs.update(attention_mask=None, sequence_slots=packing.packed_row_slots(cu_seqlens, T))
             else:
                 layer_kwargs["attention_mask"] = create_causal_mask(
                     config=self.config, inputs_embeds=x, attention_mask=token_mask,
@@ -517,7 +450,7 @@ class SSEModel(SSEPreTrainedModel):
         if router_logits:
             stacked = torch.stack(router_logits)
             choices = stacked.detach().topk(self.config.sse_top_k, -1).indices
-            aux, usage = balance_loss(stacked, self.config.sse_top_k, layer_kwargs["token_mask"], choices,
+            aux, usage = kernels.balance_loss(stacked, self.config.sse_top_k, layer_kwargs["token_mask"], choices,
                                       self.config.sse_balance_loss_norm)
         return SSEModelOutput(last_hidden_state=self.norm(x), past_key_values=past_key_values, balance_loss=aux,
                               partition_usage=usage, partition_choices=choices)

@@ -13,7 +13,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kernels
 from conftest import rel_err
-from sse_model import SSEConfig, SSEForCausalLM, modeling_sse
+from sse_model import SSEConfig, SSEForCausalLM, modeling_sse, packing
 from sse_model.configuration_sse import ATTENTION_LAYER, SSE_LAYER
 
 HYBRID = [SSE_LAYER, ATTENTION_LAYER, SSE_LAYER]
@@ -239,7 +239,7 @@ def test_packed_row_gradients_match_the_document_mask(name, device, monkeypatch)
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     per_sequence = loss_and_grads(model_for(name, sse_impl="chunk_torch_varlen").train())
-    monkeypatch.setattr(modeling_sse, "attends_per_sequence", lambda *args: False)  # back to the [L, L] mask
+    monkeypatch.setattr(packing, "attends_per_sequence", lambda *args: False)  # back to the [L, L] mask
     document_mask = loss_and_grads(model_for(name, sse_impl="chunk_torch_varlen").train())
     assert rel_err(per_sequence[0], document_mask[0]) < 1e-5
     assert rel_err(per_sequence[1], document_mask[1]) < 1e-5

@@ -73,3 +73,38 @@ def softmax_keys(k_logits: torch.Tensor, log_decay: torch.Tensor, row_topk: int 
     keep = torch.zeros_like(k_logits, dtype=torch.bool).scatter_(-1, rows, True)
     keys = torch.softmax(k_logits.masked_fill(~keep, float("-inf")), -1)
     return keys, log_decay.to(dtype) * keep
+
+
+def replayed_selection(routes: torch.Tensor, router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The partitions [B, T, K] each token selects under partition replay: `routes` [B, T, K], the rollout
+    engine's choice, where it has one, and the top-K of the layer's own router logits where it has none (-1: a
+    token the engine never computed, such as a completion's last, or padding)."""
+    own = router_logits.topk(top_k, -1).indices
+    return torch.where(routes[..., :1] >= 0, routes.to(own.dtype), own)
+
+
+def balance_loss(router_logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None,
+                 chosen_index: torch.Tensor | None = None, norm: str = "mean_over_layers"):
+    """The alpha-free balance term N * sum_i f_i P_i over non-pad tokens, averaged over layers ("mean_over_layers")
+    or summed over layers and divided by K ("sum_over_layers_div_k": the SSE authors' aux loss, flash-linear-attention
+    PR #882 at 741fbbf, fla/layers/sse.py and fla/models/sse/modeling_sse.py), and the usage f [layers, N] for
+    logging, from the SSE layers' router logits stacked [layers, B, T, N] (all layers in one go: per layer, these
+    ~15 small ops each way were a visible share of the training step's host time).
+
+    f_i is the fraction of tokens routed to partition i (sums to K, the partitions written), P_i the mean router
+    probability; the choice is the top-K of the logits, or `chosen_index` [layers, B, T, K] where the caller has it
+    already."""
+    N = router_logits.shape[-1]
+    logits = router_logits.reshape(router_logits.shape[0], -1, N)
+    probs = torch.softmax(logits.float(), -1)
+    index = logits.topk(top_k, -1).indices if chosen_index is None else chosen_index.reshape(*logits.shape[:2], -1)
+    chosen = torch.zeros_like(probs).scatter_(-1, index, 1.0)
+    if token_mask is None:
+        usage, mean_prob = chosen.mean(1), probs.mean(1)
+    else:
+        weight = token_mask.reshape(1, -1, 1).float()
+        count = weight.sum().clamp(min=1)
+        usage, mean_prob = (chosen * weight).sum(1) / count, (probs * weight).sum(1) / count
+    per_layer = N * (usage * mean_prob).sum(-1)
+    total = per_layer.mean() if norm == "mean_over_layers" else per_layer.sum() / top_k
+    return total, usage.detach()
