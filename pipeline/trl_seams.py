@@ -366,6 +366,8 @@ class SSEVLLMGeneration(VLLMGeneration):
         from vllm import LLM
         from vllm import __version__ as vllm_version
 
+        from sse_model.vllm import seams as vllm_seams
+
         # vLLM's external launcher runs the engine in this process, inside the trainer's (possibly
         # single-rank) process group, as TRL's colocate mode does.
         os.environ.setdefault("RANK", str(self.accelerator.process_index))
@@ -376,7 +378,7 @@ class SSEVLLMGeneration(VLLMGeneration):
             self.engine = LLM(**self.engine_kwargs, distributed_executor_backend="external_launcher",
                               logprobs_mode="processed_logprobs")
         # into the stage log: vLLM's own line about its runner does not reach it
-        runner = "V2" if self.engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        runner = vllm_seams.model_runner(self.engine)
         print(f"rollout engine: vLLM {vllm_version}, {runner} model runner", flush=True)
         self.llm = SeededLLM(self.engine, self.seed_base, self.record_routes)  # what TRL's generate() uses
         if self.enable_sleep_mode:  # as TRL's own colocated engine: asleep until the first rollout needs it

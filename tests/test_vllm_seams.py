@@ -267,6 +267,18 @@ def test_prefer_v2_model_runner_seam(monkeypatch):
     assert not seams.prefer_v2_model_runner() and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
+def test_model_runner_seam():
+    """An engine's config says which model runner it took, as `use_v2_model_runner`."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    assert "use_v2_model_runner" in dir(VllmConfig)
+    for v2, name in ((True, "V2"), (False, "V1")):
+        llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=v2)))
+        assert seams.model_runner(llm) == name
+
+
 @pytest.mark.parametrize("installed", [False, True])
 def test_sampler_without_flashinfer_seam(monkeypatch, installed):
     """vLLM reads `VLLM_USE_FLASHINFER_SAMPLER`; without flashinfer the seam sets it to 0 unless the user set it,

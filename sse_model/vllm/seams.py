@@ -40,6 +40,7 @@ Seams, and what each relies on:
 - `register_engine_config` [plugin]: vLLM calls `MODELS_CONFIG_MAP[architecture].verify_and_update_config(
   vllm_config)` (a `VerifyAndUpdateConfig`) once per engine config, before it sizes the cache.
 - `prefer_v2_model_runner` [engine hook, GPU]: vLLM reads `VLLM_USE_V2_MODEL_RUNNER` after the config hook.
+- `model_runner` [GRPO's stage log]: an engine's `llm_engine.vllm_config.use_v2_model_runner`.
 - `sampler_without_flashinfer` [plugin]: `VLLM_USE_FLASHINFER_SAMPLER`, which 0.25's sampler reads at import.
 - `rewind_seeded_generators_on_cpu` [plugin, CPU]: `CPUModelRunner._sample` runs before `_bookkeeping_sync`, which
   rewinds the seeded generators of `discard_request_mask`'s requests with `gen.set_offset(gen.get_offset() - 4)`.
@@ -291,6 +292,12 @@ def prefer_v2_model_runner() -> bool:
         return False
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return True
+
+
+def model_runner(llm) -> str:
+    """"V2" or "V1": the model runner an engine chose (vLLM logs it only from its worker, which a stage log of an
+    in-process engine does not always get). vLLM 0.25, 0.32."""
+    return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
 
 
 def sampler_without_flashinfer() -> None:
