@@ -451,7 +451,7 @@ def engine_config(layer_types, max_num_seqs=1024, **cache):
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
                            cache_config=SimpleNamespace(**cache),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), additional_config={})
 
 
 def no_runner_choice(monkeypatch):
