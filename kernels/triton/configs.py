@@ -13,7 +13,8 @@ import re
 
 import torch
 
-# Tuned on H100s and H200s, which share one optimum for every setting here.
+# One entry for the Hopper parts below: `python -m bench.op --sections indexed_kernels decode` finds the same
+# settings fastest on each of them, so they share it until a device's own run says otherwise.
 _HOPPER = {
     # The chunk kernels of indexed_chunk.py (`_launch`): value columns a program (BLOCK_V; key columns, BLOCK_C, for
     # dq_dk_dg) and Triton's num_warps / num_stages. Every program of a chunk rebuilds the chunk's rows (and the
