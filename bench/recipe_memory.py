@@ -113,6 +113,7 @@ class Meter:
                 row.update(peak_allocated=torch.cuda.max_memory_allocated(), device_peak=max(peak[0], used()),
                            device_end=used())
             self.phases.append(row)
+            print(f"phase {name}: {row}", flush=True)  # a run stopped later still shows the phases it finished
 
 
 def tensor_bytes(tensors) -> int:

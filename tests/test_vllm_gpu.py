@@ -372,3 +372,68 @@ def test_sleeping_engine_frees_its_memory_and_wakes_with_the_pushed_weights(chec
     assert freed > 0.5 * 0.3 * total, RESULTS["sleep_mode"]  # the cache and weights, most of the engine's share
     assert [list(o.outputs[0].token_ids) for o in after] == [list(o.outputs[0].token_ids) for o in before]
     assert drift < 0.5, RESULTS["sleep_mode"]
+
+
+# Issue 74 item 5: an engine for the recipe's width, started as a new user starts one: a fresh script, vLLM's
+# default multiprocess engine, CUDA graphs and torch.compile. A cold start of this shape takes a minute or two.
+START_LIMIT_S = float(os.environ.get("ENGINE_START_LIMIT_S", 420))
+START_SCRIPT = """
+import sys
+
+import torch
+
+
+def main(kind, path):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eval.engine import reporting_slow_start
+
+    torch.set_default_dtype(torch.bfloat16)
+    shape = dict(hidden_size=1536, intermediate_size=4608, num_attention_heads=12, num_key_value_heads=12)
+    if kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, head_dim=128, num_hidden_layers=18,
+                                             tie_word_embeddings=False, **shape))
+    else:  # the preset's depth and layout
+        from sse_model import SSEConfig, SSEForCausalLM
+        model = SSEForCausalLM(SSEConfig.from_preset("paper_2b", sse_num_heads=12, **shape))
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(path)
+    del model
+    with reporting_slow_start(f"the {kind} engine", every_s=60):
+        llm = LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.85, max_num_seqs=256,
+                  max_model_len=4608, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])] * 4,
+                       SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False))
+    print("GENERATED", [len(o.outputs[0].token_ids) for o in out], flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("kind", ["sse", "qwen3"])
+def test_engine_of_the_recipe_width_starts_from_a_fresh_script(kind, tmp_path):
+    """A random-weight 18 x 1536 model (SSE-H in the paper's layout, and Qwen3 of the same shape) with
+    `skip_tokenizer_init`, 0.85 of the GPU, 256 sequences of 4608 tokens: the engine starts and generates, in a
+    process of its own whose parent never touched CUDA through torch, as a user's script; a start that stalls
+    reports where its processes wait (`eval.engine.reporting_slow_start`) and the test shows that report."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "start_engine.py"
+    script.write_text(START_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, str(script), kind, str(tmp_path / kind)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=START_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the {kind} engine did not start and generate in {START_LIMIT_S} s:\n{err[-12000:]}")
+    assert proc.returncode == 0 and "GENERATED [16, 16, 16, 16]" in out, err[-12000:]

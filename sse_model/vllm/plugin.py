@@ -45,4 +45,5 @@ def register() -> None:
     if current_platform.is_cpu():
         seams.rewind_seeded_generators_on_cpu()
     seams.sampler_without_flashinfer()
+    seams.spawn_if_cuda_is_live()  # a fork from a live CUDA driver that torch does not know of can hang
     seams.record_routes_per_request()  # a no-op for engines without route recording (sse_model/vllm/routes.py)
