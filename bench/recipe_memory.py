@@ -345,7 +345,7 @@ def main(argv=None):
     print(text)
     if args.baseline:
         write_baseline(f"recipe_memory_{args.config.stem}", device=device, command=command("bench.recipe_memory", argv),
-                       title=title, rows=phases, components=components)
+                       title=title, rows=phases, components=components, shape=s)
     return report
 
 

@@ -13,8 +13,8 @@ TINY = ["--device", "cpu", "--lengths", "16", "40", "--heads", "2", "--dim", "8"
 
 
 def test_generated_docs_are_what_the_committed_baselines_give():
-    """docs/performance.md and README.md's table are `python -m bench.report`'s output: this fails when a baseline
-    changed and the report was not run again (or either file was edited by hand)."""
+    """docs/performance.md, docs/cost.md and README.md's table are `python -m bench.report`'s output: this fails
+    when a baseline changed and the report was not run again (or one of them was edited by hand)."""
     baselines = baseline.load_baselines()
     assert (REPO / "docs" / "performance.md").read_text() == report.performance(baselines)
     readme = (REPO / "README.md").read_text()
