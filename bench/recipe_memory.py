@@ -321,6 +321,8 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, help="tokens per prompt (default: max_prompt_length)")
     p.add_argument("--ranks", type=int, help="ranks the trainer state is sharded over (default: the config's)")
     p.add_argument("--no-engine", action="store_true", help="no vLLM engine: random completions, no push")
+    p.add_argument("--name", help="the baseline's configuration name (default: the config file's stem), e.g. for a "
+                   "--set variant of the same config")
     p.add_argument("--baseline", action="store_true",
                    help="overwrite bench/results/recipe_memory_<config name>.json")
     args = p.parse_args(argv)
@@ -344,7 +346,7 @@ def main(argv=None):
     raw_path("recipe_memory", "md", started).write_text(text)
     print(text)
     if args.baseline:
-        write_baseline(f"recipe_memory_{args.config.stem}", device=device, command=command("bench.recipe_memory", argv),
+        write_baseline(f"recipe_memory_{args.name or args.config.stem}", device=device, command=command("bench.recipe_memory", argv),
                        title=title, rows=phases, components=components, shape=s)
     return report
 
