@@ -346,7 +346,8 @@ def main(argv=None):
     raw_path("recipe_memory", "md", started).write_text(text)
     print(text)
     if args.baseline:
-        write_baseline(f"recipe_memory_{args.name or args.config.stem}", device=device, command=command("bench.recipe_memory", argv),
+        write_baseline(f"recipe_memory_{args.name or args.config.stem}", device=device,
+                       command=command("bench.recipe_memory", argv),
                        title=title, rows=phases, components=components, shape=s)
     return report
 
