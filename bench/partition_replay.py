@@ -31,8 +31,8 @@ PROMPTS = [
 
 def prompt_ids(tokenizer, text):
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"])
     return tokenizer.encode(text)
 
 

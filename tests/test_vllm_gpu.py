@@ -418,8 +418,9 @@ if __name__ == "__main__":
 def test_engine_of_the_recipe_width_starts_from_a_fresh_script(kind, tmp_path):
     """A random-weight 18 x 1536 model (SSE-H in the paper's layout, and Qwen3 of the same shape) with
     `skip_tokenizer_init`, 0.85 of the GPU, 256 sequences of 4608 tokens: the engine starts and generates, in a
-    process of its own whose parent never touched CUDA through torch, as a user's script; a start that stalls
-    reports where its processes wait (`eval.engine.reporting_slow_start`) and the test shows that report."""
+    process of its own whose parent never touched CUDA through torch, as a user's script (with the main guard that
+    a spawned start needs: the plugin makes vLLM spawn on GPUs, `seams.spawn_engine_processes`); a start that
+    stalls reports where its processes wait (`eval.engine.reporting_slow_start`) and the test shows that report."""
     import signal
     import subprocess
     import sys

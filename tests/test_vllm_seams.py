@@ -301,26 +301,22 @@ def test_sampler_without_flashinfer_seam(monkeypatch, installed):
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
 
 
-@pytest.mark.parametrize("live", [False, True])
-def test_spawn_if_cuda_is_live_seam(monkeypatch, live):
-    """vLLM decides fork or spawn in `get_mp_context` through `_maybe_force_spawn`, which keeps a user's
-    VLLM_WORKER_MULTIPROC_METHOD and looks at torch only; the seam sets spawn when the driver is live behind
-    torch's back, and never overrides the user."""
+def test_spawn_engine_processes_seam(monkeypatch):
+    """vLLM takes its start method from `VLLM_WORKER_MULTIPROC_METHOD` in `get_mp_context`, after
+    `_maybe_force_spawn`, which keeps "spawn"; the seam sets spawn when unset and never overrides the user."""
     import vllm.envs as envs
     from vllm.utils import system_utils
 
     assert "VLLM_WORKER_MULTIPROC_METHOD" in envs.environment_variables
     assert "_maybe_force_spawn()" in source(system_utils.get_mp_context)
-    assert "cuda_is_initialized()" in source(system_utils._maybe_force_spawn)
-    if not torch.cuda.is_available():
-        assert not seams.cuda_driver_initialised()  # loading the library alone initialises nothing
-    monkeypatch.setattr(seams, "cuda_driver_initialised", lambda: live)
+    assert "envs.VLLM_WORKER_MULTIPROC_METHOD" in source(system_utils.get_mp_context)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
-    assert seams.spawn_if_cuda_is_live() is live
-    assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == ("spawn" if live else None)
+    assert seams.spawn_engine_processes() and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    system_utils._maybe_force_spawn()
+    assert envs.VLLM_WORKER_MULTIPROC_METHOD == "spawn"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    assert not seams.spawn_if_cuda_is_live() and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert not seams.spawn_engine_processes() and envs.VLLM_WORKER_MULTIPROC_METHOD == "fork"
 
 
 def test_rewind_seeded_generators_on_cpu_seam(monkeypatch):

@@ -44,6 +44,7 @@ def register() -> None:
     seams.register_cache_managers()  # the scheduler's managers of the hybrid's two cache groups
     if current_platform.is_cpu():
         seams.rewind_seeded_generators_on_cpu()
+    else:
+        seams.spawn_engine_processes()  # a forked engine core can stall silently on the GPU nodes
     seams.sampler_without_flashinfer()
-    seams.spawn_if_cuda_is_live()  # a fork from a live CUDA driver that torch does not know of can hang
     seams.record_routes_per_request()  # a no-op for engines without route recording (sse_model/vllm/routes.py)

@@ -41,9 +41,9 @@ Seams, and what each relies on:
   vllm_config)` (a `VerifyAndUpdateConfig`) once per engine config, before it sizes the cache.
 - `prefer_v2_model_runner` [engine hook, GPU]: vLLM reads `VLLM_USE_V2_MODEL_RUNNER` after the config hook.
 - `model_runner` [GRPO's stage log]: an engine's `llm_engine.vllm_config.use_v2_model_runner`.
-- `spawn_if_cuda_is_live` [plugin]: vLLM forks its engine processes unless `VLLM_WORKER_MULTIPROC_METHOD` is set or
-  torch reports CUDA initialised (`vllm.utils.system_utils._maybe_force_spawn`, called by `get_mp_context`, after
-  the parent has loaded the plugins).
+- `spawn_engine_processes` [plugin, GPU]: vLLM starts its engine processes with the method
+  `VLLM_WORKER_MULTIPROC_METHOD` names (`vllm.utils.system_utils.get_mp_context`, after the parent has loaded the
+  plugins), and `_maybe_force_spawn` keeps "spawn" when it is set.
 - `sampler_without_flashinfer` [plugin]: `VLLM_USE_FLASHINFER_SAMPLER`, which 0.25's sampler reads at import.
 - `rewind_seeded_generators_on_cpu` [plugin, CPU]: `CPUModelRunner._sample` runs before `_bookkeeping_sync`, which
   rewinds the seeded generators of `discard_request_mask`'s requests with `gen.set_offset(gen.get_offset() - 4)`.
@@ -58,8 +58,6 @@ Seams, and what each relies on:
 - `in_layerwise_reload` [`SSEForCausalLM.load_weights`]: `get_layerwise_info(model).can_load()`.
 - `reload_weights` [`sync.push_weights`]: the workers' `reload_weights(weights_iterator=, is_checkpoint_format=)`.
 """
-import ctypes
-import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -80,8 +78,6 @@ from vllm.v1.attention.backends.linear_attn import (
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- the model's forward
@@ -307,28 +303,17 @@ def model_runner(llm) -> str:
     return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
 
 
-def cuda_driver_initialised() -> bool:
-    """Whether this process has initialised the CUDA driver (cuInit), whoever did it: until then the driver answers
-    cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED; loading the library does not initialise it."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+def spawn_engine_processes() -> bool:
+    """Make vLLM spawn, not fork, the engine-core and worker processes it starts, unless the user chose
+    (`VLLM_WORKER_MULTIPROC_METHOD`); True when this set it. The plugin calls it on GPUs. vLLM forks unless torch
+    has initialised CUDA in this process (or it runs in a Ray actor); on the GPU nodes an engine core forked from a
+    script that had built its model on the CPU never became ready, silently (issue 74: it waited in its first pinned
+    allocation, although the parent's CUDA driver was not initialised at any step of the start), and the same start
+    spawned was ready (tests/test_vllm_gpu.py, `test_engine_of_the_recipe_width_starts_from_a_fresh_script`). A
+    script that starts an engine needs the `if __name__ == "__main__":` guard, as every spawned start does
+    (multiprocessing's error says so where it lacks it). vLLM 0.25, 0.32."""
+    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
         return False
-    count = ctypes.c_int()
-    return driver.cuDeviceGetCount(ctypes.byref(count)) == 0
-
-
-def spawn_if_cuda_is_live() -> bool:
-    """Make vLLM spawn, not fork, its engine processes when this process has a live CUDA driver that torch does not
-    know of; True when this set it. vLLM forks unless torch reports CUDA initialised, and a child forked from a
-    process with an initialised driver can block forever at its first CUDA call (a 0.25 engine core stalled in the
-    V2 runner's first pinned allocation, with no message). Never overrides a user's `VLLM_WORKER_MULTIPROC_METHOD`.
-    A script that starts an engine under spawn needs the `if __name__ == "__main__":` guard, as vLLM's own spawn
-    does. vLLM 0.25, 0.32."""
-    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ or torch.cuda.is_initialized() or not cuda_driver_initialised():
-        return False
-    logger.warning("the CUDA driver is initialised in this process but torch does not know it, so vLLM would fork "
-                   "its engine processes from it; setting VLLM_WORKER_MULTIPROC_METHOD=spawn")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return True
 
