@@ -224,14 +224,24 @@ def run_model(name: str, config, args, log: Path) -> dict:
                *map(str, args.contexts)]
         env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc sends functions pickled
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, text=True,
-                                  env=env, cwd=REPO)
+            try:
+                returncode = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                            text=True, env=env, cwd=REPO).returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
     text = log.read_text()
     found = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not found:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}); last lines of {log}:\n"
-                           + "\n".join(text.splitlines()[-30:]))
-    return json.loads(found[-1])
+    if returncode == 0 and found:
+        return json.loads(found[-1])
+    # The contexts the worker finished before it failed or ran out of time still count.
+    prefix = f"[{name}] "
+    runs = {line[len(prefix):].split(":", 1)[0]: json.loads(line.split(": ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix) and ": {" in line}
+    why = f"timed out after {args.timeout:.0f} s" if returncode is None else f"exit {returncode}"
+    if not runs:
+        raise RuntimeError(f"{name} failed ({why}); last lines of {log}:\n" + "\n".join(text.splitlines()[-30:]))
+    print(f"{name}: {why}; kept the contexts it finished: {', '.join(runs)}", flush=True)
+    return dict(runs=runs, incomplete=why)
 
 
 def table_rows(results: dict, cfgs: dict, bandwidth: float | None) -> list[dict]:
@@ -297,7 +307,7 @@ def main(argv=None):
     for name in args.models:
         try:
             results[name] = run_model(name, cfgs[name], args, raw_path(f"decode_{name}", "log", started))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+        except RuntimeError as e:
             print(f"{name}: {e}", flush=True)
             results[name] = dict(error=str(e)[-2000:])
     rows = table_rows(results, cfgs, bandwidth)

@@ -6,16 +6,22 @@ top-K of its router logits, which replay overrides), the sampler-vs-trainer KL o
 `sampling/kl_rollout_trainer`) and the largest |delta log-probability|.
 
     python -m bench.partition_replay CHECKPOINT [--prompts 8] [--max-tokens 4096] [--dtype bfloat16]
+                                     [--positions N] [--name NAME --baseline]
 
 Prints a markdown table. The checkpoint is an SSE-H one (a GRPO or SFT run's `final/`); its tokenizer's chat
 template wraps the built-in math prompts (`--prompt-file`: one prompt per line instead). Rollouts run to
---max-tokens (`--stop-at-eos` lets them end early), at temperature 1 and top_p 1, as GRPO samples.
+--max-tokens (`--stop-at-eos` lets them end early), at temperature 1 and top_p 1, as GRPO samples. `--positions N`
+sets the model's `max_position_embeddings` to N in the engine and the trainer alike, so that a checkpoint trained on
+short sequences (the embedded default's ends at 512) samples long rollouts: rotary positions have no weights, and
+past its training length the model runs out of distribution, which is what long rollouts from such a model are.
 """
 import argparse
 import os
 import sys
 
 import torch
+
+from bench.baseline import command, write_baseline
 
 PROMPTS = [
     "What is the sum of the first 100 positive integers? Explain step by step.",
@@ -56,7 +62,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.add_argument("--positions", type=int, help="the model's max_position_embeddings, in engine and trainer")
+    p.add_argument("--name", default="checkpoint", help="the checkpoint's name in the baseline's configuration")
+    p.add_argument("--baseline", action="store_true", help="overwrite bench/results/partition_replay_<name>.json")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The engine in this process, as GRPO's colocated one: the routes are taken from its model directly.
@@ -73,15 +83,17 @@ def main(argv=None):
     texts = [texts[i % len(texts)] for i in range(args.prompts)]
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     prompts = [prompt_ids(tokenizer, t) for t in texts]
+    positions = {} if args.positions is None else {"max_position_embeddings": args.positions}
     llm = LLM(model=args.checkpoint, dtype=args.dtype, seed=args.seed, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization,
+              gpu_memory_utilization=args.gpu_memory_utilization, hf_overrides=positions,
               max_model_len=max(map(len, prompts)) + args.max_tokens, additional_config={"sse_record_routes": True})
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, logprobs=0, seed=args.seed,
                               ignore_eos=not args.stop_at_eos)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], sampling, use_tqdm=False)
     routes = seams.take_routes(llm, [o.request_id for o in outputs])
 
-    model = SSEForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).to(device).eval()
+    model = SSEForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype), **positions)
+    model = model.to(device).eval()
     totals = {mode: dict(used=0, own=0, tokens=0, sampler=[], trainer=[]) for mode in ("own routes", "replayed")}
     for prompt, out, recorded in zip(prompts, outputs, routes, strict=True):
         completion = list(out.outputs[0].token_ids)
@@ -98,17 +110,24 @@ def main(argv=None):
             t["tokens"] += len(prompt) + len(completion)
             t["sampler"].append(sampler)
             t["trainer"].append(trainer)
-    print(f"{args.checkpoint}: {len(prompts)} rollouts, {sum(len(o.outputs[0].token_ids) for o in outputs)} "
-          f"sampled tokens, {args.dtype}, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
-    print("| trainer forward | route flips / 1k tokens (used) | (own top-K) | sampler-vs-trainer KL "
-          "| max abs delta logprob |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    sampled = sum(len(o.outputs[0].token_ids) for o in outputs)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    rows = []
     for mode, t in totals.items():
         sampler, trainer = torch.cat(t["sampler"]), torch.cat(t["trainer"])
-        kl = rollout_kl(sampler, trainer, torch.ones_like(sampler))
-        print(f"| {mode} | {1000 * t['used'] / t['tokens']:.3g} | {1000 * t['own'] / t['tokens']:.3g} | {kl:.3g} | "
-              f"{float((sampler - trainer).abs().max()):.3g} |")
-
+        rows.append({"trainer forward": mode,
+                     "route flips / 1k tokens (used)": round(1000 * t["used"] / t["tokens"], 3),
+                     "route flips / 1k tokens (own top-K)": round(1000 * t["own"] / t["tokens"], 3),
+                     "sampler-vs-trainer KL": float(rollout_kl(sampler, trainer, torch.ones_like(sampler))),
+                     "max abs delta logprob": float((sampler - trainer).abs().max())})
+    title = f"{args.checkpoint}: {len(prompts)} rollouts, {sampled} sampled tokens, {args.dtype}, {device_name}"
+    print(title)
+    print("| " + " | ".join(rows[0]) + " |\n|" + " ---: |" * len(rows[0]))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    if args.baseline:
+        write_baseline(f"partition_replay_{args.name}", device=device_name, title=title, rows=rows,
+                       command=command("bench.partition_replay", argv))
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ BENCHMARKS = [("rollouts_", "Rollouts in vLLM", "bench.rollouts"),
               ("decode_", "The decode step against its byte floor", "bench.decode"),
               ("grpo_", "GRPO steps", "bench.grpo_phases"),
               ("recipe_memory_", "One rank of a recipe, memory by phase", "bench.recipe_memory"),
+              ("partition_replay_", "Partition replay: the trainer on the engine's routes", "bench.partition_replay"),
               ("recall_", "Recall (MQAR)", "bench.recall")]
 # README's rows: the configuration whose headline each row quotes, and how its number reads.
 README_ROWS = [("rollouts_1b_1k", "{:.2f}x"), ("rollouts_1b_4k", "{:.2f}x"), ("rollouts_1b_16k", "{:.2f}x"),

@@ -11,6 +11,7 @@
 #
 #   scripts/build-wheelhouse.sh OUT             # on a machine with network (pip download)
 #   scripts/build-wheelhouse.sh --dry-run OUT   # print the plan only: no network, nothing written
+#   scripts/build-wheelhouse.sh --no-ray OUT    # without Ray (80 MB): enough for the GPU tests and the benches
 #   (copy OUT/part-* and this checkout to the node, then there)
 #   scripts/gpu-offline-install.sh OUT/part-*
 set -euo pipefail
@@ -35,15 +36,24 @@ DROP=(vllm/vllm_flash_attn/_vllm_fa2_C vllm/_moe_C vllm/vllm-rs vllm/third_party
       vllm/third_party/fmha_sm100 vllm/_flashmla vllm/_qutlass_C vllm/_rust_tool_parser
       vllm/entrypoints/serve/instrumentator/static)
 
-usage() { sed -n 2,17p "$0"; exit 2; }
+usage() { sed -n 2,16p "$0"; exit 2; }
 dry_run=0
-[ "${1:-}" = --dry-run ] && { dry_run=1; shift; }
+ray=1
+while [ $# -gt 1 ]; do
+  case $1 in
+    --dry-run) dry_run=1 ;;
+    --no-ray) ray=0 ;;
+    *) usage ;;
+  esac
+  shift
+done
 [ $# -eq 1 ] || usage
 out=$1
 repo=$(cd "$(dirname "$0")/.." && pwd)
 platform_args=(--python-version "$PYTHON_VERSION" --implementation cp --only-binary=:all: --no-deps)
 for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
-specs=("$VLLM" "${VLLM_DEPS[@]}" "${TRAIN_DEPS[@]}" "${RAY_DEPS[@]}")
+specs=("$VLLM" "${VLLM_DEPS[@]}" "${TRAIN_DEPS[@]}")
+[ $ray = 1 ] && specs+=("${RAY_DEPS[@]}")
 
 if [ $dry_run = 1 ]; then
   echo "target: CPython $PYTHON_VERSION, ${PLATFORMS[*]}"
