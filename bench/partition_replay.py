@@ -71,6 +71,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The engine in this process, as GRPO's colocated one: the routes are taken from its model directly.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if device == "cpu":
+        torch.set_num_threads(1)  # an in-process CPU engine thrashes with more (docs/vllm-backend.md, on CPU)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

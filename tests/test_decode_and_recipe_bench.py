@@ -114,6 +114,33 @@ def test_table_rows_put_the_step_beside_its_floor():
                                      "value": round(rows[0]["step / floor"], 2)}
 
 
+def test_a_model_that_runs_out_of_time_keeps_the_contexts_it_finished(tmp_path, monkeypatch):
+    """A worker killed at --timeout after its first context: that context's steps are kept and the result says why it
+    is incomplete; a worker that finished none raises with its log's last lines."""
+    import subprocess
+
+    log = tmp_path / "worker.log"
+
+    def killed_after_one_context(cmd, stdout, **kwargs):
+        stdout.write('[SSE-H] 4096: {"fit": 40, "does_not_fit": [128], "batches": {"32": {"ms": 5.0}}}\n')
+        stdout.flush()
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(decode.subprocess, "run", killed_after_one_context)
+    args = SimpleNamespace(engine="{}", steps=4, sequences=[32, 128], contexts=[4096, 16384], timeout=7.0)
+    result = decode.run_model("SSE-H", tiny_sse(), args, log)
+    assert result == {"runs": {"4096": {"fit": 40, "does_not_fit": [128], "batches": {"32": {"ms": 5.0}}}},
+                      "incomplete": "timed out after 7 s"}
+
+    def killed_before_any(cmd, stdout, **kwargs):
+        stdout.write("loading\n")
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(decode.subprocess, "run", killed_before_any)
+    with pytest.raises(RuntimeError, match="(?s)timed out after 7 s.*loading"):
+        decode.run_model("SSE-H", tiny_sse(), args, log)
+
+
 def test_a_rank_of_the_paper_recipe():
     cfg = load_config(REPO / "configs" / "sse_h_2b.yaml")
     assert recipe_memory.rank_shape(cfg) == dict(prompts=4, generations=8, micro_batch=2, micro_batches=16)

@@ -1,6 +1,7 @@
 """Partition replay (issue 75, item 4): the SSE operator and the HF model select the partitions they are given,
 while the router's softmax stays in the graph."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +175,33 @@ def test_route_feed_hands_each_sliced_forward_its_rows():
     assert sum(int(f.sum()) for f, _ in seen) > 0
     unreplayed = model(ids, attention_mask=mask).logits  # hooks removed on exit
     assert (unreplayed - whole).abs().max() > 1e-4
+
+
+def test_partition_replay_bench_samples_past_the_checkpoints_positions(tmp_path):
+    """bench.partition_replay end to end on CPU (float32: sampler and trainer agree, so replay changes nothing and
+    neither mode flips a route), with --positions taking rollouts past the checkpoint's max_position_embeddings."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_checkpoints import save_checkpoint
+
+    config = SSEConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       layer_types=[SSE_LAYER, ATTENTION_LAYER], num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, sse_num_heads=2, sse_key_dim=16, sse_value_dim=16, sse_num_partitions=4,
+                       sse_top_k=1, sse_shared_partition=True, sse_lora_rank=4, max_position_embeddings=64)
+    path = save_checkpoint(tmp_path / "ckpt", config)
+    run = subprocess.run([sys.executable, "-m", "bench.partition_replay", str(path), "--positions", "256",
+                          "--max-tokens", "100", "--prompts", "2", "--dtype", "float32",
+                          "--gpu-memory-utilization", "0.1"], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONPATH": "."})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    title = next(line for line in lines if "rollouts," in line)
+    assert "2 rollouts, 200 sampled tokens, float32" in title
+    rows = {cells[0]: cells[1:] for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| own routes")
+             or line.startswith("| replayed"))}
+    assert set(rows) == {"own routes", "replayed"}
+    for flips_used, flips_own, kl, delta in rows.values():
+        assert float(flips_used) == 0 and float(flips_own) == 0 and abs(float(kl)) < 1e-6 and float(delta) < 1e-3
