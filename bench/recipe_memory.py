@@ -3,7 +3,8 @@ the rollout, the log-probabilities and the update, and what sharding the trainer
 leaves per rank, from the measured component sizes.
 
     python -m bench.recipe_memory [--config configs/sse_h_2b.yaml] [--set KEY=VALUE ...] [--max-tokens N]
-                                  [--prompt-tokens P] [--ranks 8] [--no-engine] [--baseline]
+                                  [--prompt-tokens P] [--ranks 8] [--no-engine] [--all-attention]
+                                  [--name NAME] [--baseline]
 
 The pipeline's own pieces, in the order a GRPO step runs them with `grpo.vllm.enable_sleep_mode`: the model
 (`SSEConfig.from_preset` of `model.config`, random weights in the trainer's dtype: float32 under
@@ -27,6 +28,10 @@ included), and the device's used memory (total - free, `torch.cuda.mem_get_info`
 `SAMPLE_S`: its peak is what the card must hold. Components: the trainer's weights, gradients and Adam state (their
 tensors' bytes), the activations of one micro-batch (peak over the micro-batch less what was allocated before it),
 the log-probability pass's working set, the engine's memory awake and asleep (device used, differences).
+
+`--all-attention` runs the same recipe with every layer softmax attention: the project's all-attention model of
+the preset's shape, what a user of the pipeline pays without SSE (its baseline is
+`recipe_memory_<config>_all_attention` unless `--name` says otherwise).
 
 `per_rank` turns them into the sharded rank's peaks (the arithmetic in its docstring). `--no-engine` (and the CPU,
 whose vLLM build has no sleep mode) skips the engine: random completions, no push.
@@ -62,13 +67,18 @@ def rank_shape(cfg) -> dict:
     return dict(prompts=completions // n, generations=n, micro_batch=micro, micro_batches=accumulation)
 
 
-def model_config(cfg):
-    """The recipe's model config: `model.config`'s preset with its other keys over it."""
+def model_config(cfg, all_attention: bool = False):
+    """The recipe's model config: `model.config`'s preset with its other keys over it; with `all_attention`, every
+    layer softmax attention."""
     from sse_model import SSEConfig
+    from sse_model.configuration_sse import ATTENTION_LAYER
 
     kwargs = dict(cfg.model.config)
     preset = kwargs.pop("preset", None)
-    return SSEConfig.from_preset(preset, **kwargs) if preset else SSEConfig(**kwargs)
+    config = SSEConfig.from_preset(preset, **kwargs) if preset else SSEConfig(**kwargs)
+    if all_attention:
+        config.layer_types = [ATTENTION_LAYER] * config.num_hidden_layers
+    return config
 
 
 def used() -> int | None:
@@ -321,6 +331,7 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, help="tokens per prompt (default: max_prompt_length)")
     p.add_argument("--ranks", type=int, help="ranks the trainer state is sharded over (default: the config's)")
     p.add_argument("--no-engine", action="store_true", help="no vLLM engine: random completions, no push")
+    p.add_argument("--all-attention", action="store_true", help="every layer softmax attention (the comparison)")
     p.add_argument("--name", help="the baseline's configuration name (default: the config file's stem), e.g. for a "
                    "--set variant of the same config")
     p.add_argument("--baseline", action="store_true",
@@ -329,14 +340,16 @@ def main(argv=None):
     cfg = load_config(args.config, args.overrides)
     ranks = args.ranks or cfg.resources.grpo.num_workers
     started = now()
-    found = measure(cfg, model_config(cfg), max_tokens=args.max_tokens or cfg.grpo.trl["max_completion_length"],
+    found = measure(cfg, model_config(cfg, args.all_attention),
+                    max_tokens=args.max_tokens or cfg.grpo.trl["max_completion_length"],
                     prompt_tokens=args.prompt_tokens or cfg.grpo.max_prompt_length,
                     use_engine=torch.cuda.is_available() and not args.no_engine)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     phases, components = per_rank(found["phases"], found["components"], ranks), component_rows(found["components"],
                                                                                                ranks)
     s = found["shape"]
-    title = (f"One rank of {args.config.name} ({cfg.name}) on {device}: {s['prompts']} prompts x {s['generations']} "
+    model = f"{cfg.name}, every layer softmax attention" if args.all_attention else cfg.name
+    title = (f"One rank of {args.config.name} ({model}) on {device}: {s['prompts']} prompts x {s['generations']} "
              f"of {s['prompt_tokens']} + {s['max_tokens']} tokens, {s['micro_batches']} micro-batches of "
              f"{s['micro_batch']}; sharded over {ranks} ranks")
     report = dict(date=started.isoformat(timespec="seconds"), device=device, config=str(args.config),
@@ -346,7 +359,8 @@ def main(argv=None):
     raw_path("recipe_memory", "md", started).write_text(text)
     print(text)
     if args.baseline:
-        write_baseline(f"recipe_memory_{args.name or args.config.stem}", device=device,
+        name = args.name or args.config.stem + ("_all_attention" if args.all_attention else "")
+        write_baseline(f"recipe_memory_{name}", device=device,
                        command=command("bench.recipe_memory", argv),
                        title=title, rows=phases, components=components, shape=s)
     return report

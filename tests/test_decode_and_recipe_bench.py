@@ -1,6 +1,7 @@
 """The CPU-testable logic of the GPU benchmarks bench/decode.py (the byte floor of a decode step, the cache fit, the
 staged batch sizes, the step grouping) and bench/recipe_memory.py (one rank's shape, the phase driver on a tiny
 model, the sharding arithmetic and its tables)."""
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -163,15 +164,18 @@ def test_sharded_rank_arithmetic_by_hand():
     assert table["gathered FSDP units (root + 2 layers, bf16)"]["per rank, 8-way GiB"] == 2.0
 
 
+TINY_RECIPE = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+               "model.config.layer_types=[linear_attention, full_attention]", "model.config.num_attention_heads=2",
+               "model.config.num_key_value_heads=2", "model.config.head_dim=32", "model.config.sse_num_heads=2",
+               "model.config.sse_key_dim=16", "model.config.sse_value_dim=16", "model.config.vocab_size=512",
+               "grpo.per_device_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.num_generations=2"]
+
+
 def test_recipe_memory_runs_the_trainer_phases_of_a_tiny_model_on_cpu(tmp_path, monkeypatch, capsys):
     """The CLI on the recipe shrunk by --set: no engine (the CPU build has no sleep mode), random completions,
     the log-probability pass and one optimizer step; the component sizes are the tensors'."""
     monkeypatch.setattr(baseline, "RUNS", tmp_path)
-    sets = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-            "model.config.layer_types=[linear_attention, full_attention]", "model.config.num_attention_heads=2",
-            "model.config.num_key_value_heads=2", "model.config.head_dim=32", "model.config.sse_num_heads=2",
-            "model.config.sse_key_dim=16", "model.config.sse_value_dim=16", "model.config.vocab_size=512",
-            "grpo.per_device_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.num_generations=2"]
+    sets = TINY_RECIPE
     report = recipe_memory.main(["--no-engine", "--max-tokens", "8", "--prompt-tokens", "4",
                                  *[a for s in sets for a in ("--set", s)]])
     assert [p["phase"] for p in report["phases"]] == ["rollout", "log-probabilities", "update"]
@@ -187,3 +191,19 @@ def test_recipe_memory_runs_the_trainer_phases_of_a_tiny_model_on_cpu(tmp_path, 
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("| update |")
     assert len(list(tmp_path.glob("recipe_memory_*.json"))) == 1
+
+
+def test_recipe_memory_all_attention_measures_the_same_recipe_without_sse(tmp_path, monkeypatch):
+    """--all-attention: every layer softmax attention at the recipe's shape, so the weights are an all-attention
+    model's, and the baseline is the config's name with `_all_attention`."""
+    monkeypatch.setattr(baseline, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(baseline, "RESULTS", tmp_path / "results")
+    report = recipe_memory.main(["--no-engine", "--all-attention", "--max-tokens", "8", "--prompt-tokens", "4",
+                                 "--baseline", *[a for s in TINY_RECIPE for a in ("--set", s)]])
+    config = recipe_memory.model_config(load_config(REPO / "configs" / "sse_h_2b.yaml", TINY_RECIPE), True)
+    assert config.layer_types == ["full_attention", "full_attention"]
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert report["components"]["weights"] == 4 * numel
+    written = json.loads((tmp_path / "results" / "recipe_memory_sse_h_2b_all_attention.json").read_text())
+    assert "every layer softmax attention" in written["title"] and written["shape"] == report["shape"]
