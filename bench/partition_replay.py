@@ -131,5 +131,6 @@ def main(argv=None):
         write_baseline(f"partition_replay_{args.name}", device=device_name, title=title, rows=rows,
                        command=command("bench.partition_replay", argv))
 
+
 if __name__ == "__main__":
     main()
