@@ -82,7 +82,14 @@ def test_wheelhouse_builder_plans_the_gpu_nodes_wheels_offline(tmp_path):
     assert plan["strip from vllm==0.25.0"].split()[0] == "vllm/vllm_flash_attn/_vllm_fa2_C"
     assert "at most 58 MiB each" in plan["parts"] and plan["install script"].startswith(f"{out}/part-1/install.sh")
 
+    no_ray = subprocess.run(["bash", repo / "scripts" / "build-wheelhouse.sh", "--dry-run", "--no-ray", out],
+                            capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    without = dict(line.split(": ", 1) for line in no_ray.stdout.splitlines())["download"].split()
+    assert no_ray.returncode == 0 and "ray==2.60.0" in download and "ray==2.60.0" not in without
+    assert set(without) == set(download) - {"ray==2.60.0", "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
+                                            "referencing==0.37.0", "rpds-py==2026.9.1"}
+
     usage = subprocess.run(["bash", repo / "scripts" / "build-wheelhouse.sh"], capture_output=True, text=True)
-    assert usage.returncode == 2 and "--dry-run OUT" in usage.stdout
+    assert usage.returncode == 2 and "--dry-run OUT" in usage.stdout and "--no-ray OUT" in usage.stdout
     installer = (repo / "scripts" / "gpu-offline-install.sh").read_text()
     assert "scripts/build-wheelhouse.sh" in installer and "shared/tools" not in installer
