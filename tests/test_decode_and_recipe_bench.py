@@ -169,21 +169,21 @@ TINY_RECIPE = ["model.config.hidden_size=64", "model.config.intermediate_size=12
                "model.config.num_key_value_heads=2", "model.config.head_dim=32", "model.config.sse_num_heads=2",
                "model.config.sse_key_dim=16", "model.config.sse_value_dim=16", "model.config.vocab_size=512",
                "grpo.per_device_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.num_generations=2"]
+TINY_RECIPE_ARGS = ["--no-engine", "--max-tokens", "8", "--prompt-tokens", "4",
+                    *[a for s in TINY_RECIPE for a in ("--set", s)]]
 
 
 def test_recipe_memory_runs_the_trainer_phases_of_a_tiny_model_on_cpu(tmp_path, monkeypatch, capsys):
     """The CLI on the recipe shrunk by --set: no engine (the CPU build has no sleep mode), random completions,
     the log-probability pass and one optimizer step; the component sizes are the tensors'."""
     monkeypatch.setattr(baseline, "RUNS", tmp_path)
-    sets = TINY_RECIPE
-    report = recipe_memory.main(["--no-engine", "--max-tokens", "8", "--prompt-tokens", "4",
-                                 *[a for s in sets for a in ("--set", s)]])
+    report = recipe_memory.main(TINY_RECIPE_ARGS)
     assert [p["phase"] for p in report["phases"]] == ["rollout", "log-probabilities", "update"]
     assert report["shape"] == dict(prompts=2, generations=2, micro_batch=2, micro_batches=2, prompt_tokens=4,
                                    max_tokens=8)
     c = report["components"]
     assert c["gradients"] == c["weights"] and c["adam"] == 2 * c["weights"]
-    cfg = load_config(REPO / "configs" / "sse_h_2b.yaml", sets)
+    cfg = load_config(REPO / "configs" / "sse_h_2b.yaml", TINY_RECIPE)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(recipe_memory.model_config(cfg))
     numel = sum(p.numel() for p in model.parameters())
@@ -198,8 +198,7 @@ def test_recipe_memory_all_attention_measures_the_same_recipe_without_sse(tmp_pa
     model's, and the baseline is the config's name with `_all_attention`."""
     monkeypatch.setattr(baseline, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(baseline, "RESULTS", tmp_path / "results")
-    report = recipe_memory.main(["--no-engine", "--all-attention", "--max-tokens", "8", "--prompt-tokens", "4",
-                                 "--baseline", *[a for s in TINY_RECIPE for a in ("--set", s)]])
+    report = recipe_memory.main([*TINY_RECIPE_ARGS, "--all-attention", "--baseline"])
     config = recipe_memory.model_config(load_config(REPO / "configs" / "sse_h_2b.yaml", TINY_RECIPE), True)
     assert config.layer_types == ["full_attention", "full_attention"]
     with torch.device("meta"):
